@@ -1,0 +1,1 @@
+"""dspark_serve.engine."""

@@ -1,0 +1,70 @@
+"""Paged KV store and attention over a paged cache (plain PyTorch; the reference every faster kernel matches)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a flat batch of query tokens sits in the paged cache.
+
+    Query token i of sequence b is at position seq_lens[b] - query_lens[b] + i, so every sequence's new
+    tokens are its last ones; `causal=False` lets each query see all seq_lens[b] keys (the draft block).
+    """
+
+    cu_seqlens_q: Tensor  # [num_reqs + 1] int64, cumulative query lengths
+    seq_lens: Tensor  # [num_reqs] int64, keys visible per sequence (context + this step's tokens)
+    slot_mapping: Tensor  # [num_tokens] int64, cache slot per new token (block * block_size + offset); -1 skips
+    block_table: Tensor  # [num_reqs, max_blocks] int64
+    max_query_len: int
+    max_seq_len: int
+    causal: bool = True
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """k, v [num_tokens, num_kv_heads, head_dim] -> cache [num_blocks, block_size, num_kv_heads, head_dim]."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+
+def _query_layout(meta: AttentionMetadata, num_tokens: int) -> tuple[Tensor, Tensor]:
+    """(request index, offset within its query) for every flat token."""
+    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]  # [num_reqs]
+    req = torch.repeat_interleave(torch.arange(meta.num_reqs, device=q_lens.device), q_lens, output_size=num_tokens)
+    return req, torch.arange(num_tokens, device=q_lens.device) - meta.cu_seqlens_q[req]
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """q [num_tokens, num_heads, head_dim] over the cached keys of each sequence -> [num_tokens, num_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    req, off = _query_layout(meta, num_tokens)
+    q_pad = q.new_zeros(meta.num_reqs, meta.max_query_len, num_heads, head_dim)  # [R, Q, H, D]
+    q_pad[req, off] = q
+    kv_pos = torch.arange(meta.max_seq_len, device=q.device)  # [S]
+    blocks = meta.block_table[:, (kv_pos // block_size).clamp(max=meta.block_table.shape[1] - 1)]  # [R, S]
+    slots = blocks * block_size + kv_pos % block_size
+    k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [R, S, KV, D]
+    v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
+    q_pos = (meta.seq_lens - q_lens)[:, None] + torch.arange(meta.max_query_len, device=q.device)  # [R, Q]
+    mask = kv_pos[None, None, :] < meta.seq_lens[:, None, None]  # [R, 1, S]
+    if meta.causal:
+        mask = mask & (kv_pos[None, None, :] <= q_pos[:, :, None])  # [R, Q, S]
+    mask = mask | (kv_pos == 0)  # padded query rows need one visible key; their output is dropped
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+        attn_mask=mask[:, None].expand(-1, 1, meta.max_query_len, -1), scale=scale,
+        enable_gqa=num_heads != k.shape[2])  # [R, H, Q, D]
+    return out.transpose(1, 2)[req, off]
