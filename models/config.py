@@ -121,6 +121,20 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", False)) and arch == "qwen3",
         )
 
+    def to_hf(self) -> dict[str, Any]:
+        """The transformers 5.x spelling of this config (round-trips through from_hf)."""
+        names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+        return {
+            "architectures": ["Qwen3ForCausalLM" if self.arch == "qwen3" else "Qwen2ForCausalLM"],
+            "model_type": self.arch, "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position, "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias, "hidden_act": "silu", "dtype": names[self.dtype],
+        }
+
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         return cls.from_hf(read_json(Path(path) / "config.json"), where=str(Path(path) / "config.json"))

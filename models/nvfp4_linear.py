@@ -1,0 +1,57 @@
+"""NVFP4Linear: a Linear whose weight is stored as ModelOpt W4A16 NVFP4 (packed uint8 + fp8 block scales).
+
+Forward runs the fused Triton W4A16 GEMM on CUDA and the dequantize + matmul reference on CPU.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dspark_serve.kernels import nvfp4
+from dspark_serve.kernels.nvfp4_ref import GROUP_SIZE, check_packed
+
+
+class NVFP4Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if in_features % GROUP_SIZE:
+            raise ValueError(f"NVFP4Linear needs in_features % 16 == 0, got {in_features}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(out_features, in_features // GROUP_SIZE,
+                                                         dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("weight_scale_2", torch.zeros((), dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_tensors(cls, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor,
+                     bias: Tensor | None = None) -> "NVFP4Linear":
+        n, k = check_packed(packed, weight_scale, weight_scale_2)
+        layer = cls(k, n, bias=bias is not None, device=packed.device,
+                    dtype=bias.dtype if bias is not None else torch.bfloat16)
+        layer.weight.copy_(packed)
+        layer.weight_scale.copy_(weight_scale)
+        layer.weight_scale_2.copy_(weight_scale_2.reshape(()))
+        if bias is not None:
+            layer.bias.data.copy_(bias)
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "NVFP4Linear":
+        packed, scale, scale_2 = nvfp4.quantize(linear.weight.detach())
+        return cls.from_tensors(packed, scale, scale_2, None if linear.bias is None else linear.bias.detach())
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)   # [N, K]
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
+        if x.is_cuda:
+            from dspark_serve.kernels.w4a16_gemm import w4a16_gemm
+            out = w4a16_gemm(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.weight_scale_2)
+            out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4 (group 16)"
