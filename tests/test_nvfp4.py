@@ -1,0 +1,115 @@
+"""NVFP4 format, reference quantize/dequantize, checkpoint round trip and the NVFP4Linear swap (CPU)."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from dspark_serve.kernels import nvfp4, nvfp4_ref
+from dspark_serve.models import quantize as q
+from dspark_serve.models.nvfp4_linear import NVFP4Linear
+
+
+def _unit_scales(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(n, k // 16).to(torch.float8_e4m3fn), torch.tensor(1.0)
+
+
+@pytest.mark.parametrize("byte,expected", [(0x22, [1.0, 1.0]), (0xAA, [-1.0, -1.0]), (0x31, [0.5, 1.5])])
+def test_decode_bytes(byte, expected):
+    packed = torch.full((1, 8), byte, dtype=torch.uint8)
+    w = nvfp4.dequantize(packed, *_unit_scales(1, 16))
+    assert w.tolist() == [expected * 8]
+
+
+def test_e2m1_rounds_half_to_even_on_bounds():
+    x = torch.tensor([0.25, 0.26, 0.74, 0.75, 1.25, 1.3, 1.75, 2.5, 2.6, 3.5, 5.0, 5.01, 9.0, -0.1, -5.0])
+    got = nvfp4_ref.e2m1_decode(nvfp4_ref.e2m1_codes(x))
+    assert got.tolist() == [0.0, 0.5, 0.5, 1.0, 1.0, 1.5, 2.0, 2.0, 3.0, 4.0, 4.0, 6.0, 6.0, -0.0, -4.0]
+    assert nvfp4_ref.e2m1_codes(torch.tensor([-0.1])).item() == 8   # ModelOpt keeps the sign of a zero
+
+
+def test_quantize_hand_case():
+    w = torch.zeros(1, 16)
+    w[0, :6] = torch.tensor([0.5, 1.5, 1.0, 1.0, -1.0, -1.0])
+    w[0, 15] = 6.0                                   # amax 6: block scale 448, weight_scale_2 6/2688
+    packed, scale, scale_2 = nvfp4.quantize(w)
+    assert packed.tolist() == [[0x31, 0x22, 0xAA, 0, 0, 0, 0, 0x70]]
+    assert scale.float().tolist() == [[448.0]] and scale_2.item() == pytest.approx(6 / 2688)
+    assert torch.equal(nvfp4.dequantize(packed, scale, scale_2), w)
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (33, 96), (128, 512)])
+def test_quantize_roundtrip_error(shape):
+    torch.manual_seed(0)
+    w = torch.randn(*shape)
+    packed, scale, scale_2 = nvfp4.quantize(w)
+    assert packed.shape == (shape[0], shape[1] // 2) and packed.dtype == torch.uint8
+    assert scale.shape == (shape[0], shape[1] // 16) and scale.dtype == torch.float8_e4m3fn
+    assert scale_2.dtype == torch.float32 and scale_2.numel() == 1
+    back = nvfp4.dequantize(packed, scale, scale_2)
+    assert (back - w).norm() / w.norm() < 0.12       # E2M1 with 16-blocks: ~9 % on Gaussian data
+    assert torch.equal(nvfp4.dequantize(*nvfp4.quantize(back)), back)   # dequantized values are fixed points
+
+
+def test_bad_shapes_are_rejected():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4.quantize(torch.randn(4, 20))
+    with pytest.raises(ValueError, match="weight_scale"):
+        nvfp4.dequantize(torch.zeros(4, 8, dtype=torch.uint8), torch.ones(4, 2).to(torch.float8_e4m3fn),
+                         torch.tensor(1.0))
+
+
+def test_layer_names_from_configs():
+    assert q.nvfp4_layer_names({"architectures": ["X"]}) is None
+    mixed = {"quantization_config": q.quantization_config({"fc", "lm_head"})}
+    assert q.nvfp4_layer_names(mixed) == {"fc", "lm_head"}
+    hf = {"quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}
+    keys = ["fc.weight", "fc.weight_scale", "lm_head.weight_scale", "norm.weight"]
+    assert q.nvfp4_layer_names(hf, keys) == {"fc"}
+    with pytest.raises(ValueError, match="group_size must be 16, got 32"):
+        q.nvfp4_layer_names({"quantization_config": {"quant_algo": "NVFP4", "group_size": 32}}, keys)
+    with pytest.raises(ValueError, match="FP8"):
+        q.nvfp4_layer_names({"quantization_config": {"quant_algo": "FP8"}})
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 32, bias=False)
+        self.norm = nn.LayerNorm(32)
+        self.lm_head = nn.Linear(32, 48, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.norm(self.fc(x)))
+
+
+def test_checkpoint_roundtrip_and_swap(tmp_path):
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    model = _Tiny()
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    save_file({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"architectures": ["Tiny"]}))
+    assert q.main([str(src), str(dst), "--device", "cpu"]) == 0
+    state = load_file(dst / "model.safetensors")
+    names = q.nvfp4_layer_names(json.loads((dst / "config.json").read_text()), state.keys())
+    assert names == {"fc", "lm_head"} and state["norm.weight"].dtype == torch.bfloat16
+    for name in names:   # quantize -> save -> load -> dequantize equals dequantize of the in-memory result
+        ref = nvfp4.quantize(model.get_submodule(name).weight.detach().to(torch.bfloat16))
+        got = [state[f"{name}.{s}"] for s in ("weight", "weight_scale", "weight_scale_2")]
+        assert all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b) for a, b in zip(got, ref))
+        assert torch.equal(nvfp4.dequantize(*got), nvfp4.dequantize(*ref))
+    x = torch.randn(3, 64)
+    dense = model(x)
+    q.swap_in_nvfp4(model, state, names)
+    assert isinstance(model.fc, NVFP4Linear) and isinstance(model.lm_head, NVFP4Linear)
+    out = model(x)
+    assert (out - dense).norm() / dense.norm() < 0.2
+    deq = nn.functional.linear(model.norm(nn.functional.linear(x, model.fc.dequantized_weight())),
+                               model.lm_head.dequantized_weight())
+    torch.testing.assert_close(out, deq)
+    with pytest.raises(ValueError, match="lacks"):
+        q.swap_in_nvfp4(_Tiny(), {}, {"fc"})
