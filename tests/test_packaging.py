@@ -1,0 +1,23 @@
+"""`pip install .` puts one namespace, dspark_serve, into site-packages, and it imports from there."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_install_puts_only_the_namespace_at_top_level(tmp_path):
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(ROOT)], check=True, cwd=tmp_path)
+    top = sorted(p.name for p in site.iterdir() if p.name != "bin")
+    assert top[0] == "dspark_serve" and len(top) == 2 and top[1].startswith("dspark_serve-"), top
+    pkgs = sorted(p.name for p in (site / "dspark_serve").iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert {"models", "kernels", "engine", "actors", "cluster", "protos"} <= set(pkgs)
+    code = ("import dspark_serve.models.qwen, dspark_serve.kernels.attention, dspark_serve.cluster.cli as c; "
+            "print(c.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}).stdout
+    assert out.startswith(str(site))
+    assert (site / "bin" / "dspark-serve").is_file()
