@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .sampling_params import GREEDY_TEMPERATURE
+
 # Salts keep the noise streams disjoint: a draft and the residual it is resampled from never share noise.
 DRAFT_SALT = 1 << 30
 VERIFY_SALT = (1 << 30) + 1
 RESAMPLE_SALT = (1 << 30) + 2
 BONUS_SALT = (1 << 30) + 3
-
-GREEDY_TEMPERATURE = 1e-5
 
 
 def _s64(c: int) -> int:
