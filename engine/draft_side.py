@@ -1,0 +1,115 @@
+"""The draft's half of a step: write new context K/V, run the block in one pass, sample left to right with the Markov bias."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dspark_serve.models.dspark import DSparkDraft
+
+from .kv_cache import BlockAllocator, batch_metadata, positions_of
+from .request import Request
+from .sampling import DRAFT_SALT, keyed_gumbel
+from .spec_config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    tokens: Tensor  # [R, N] int64, target-vocab ids
+    probs: Tensor | None  # [R, N, V_target] q each token was drawn from (None when every row is greedy)
+    confidence_logits: Tensor | None  # [R, N] fp32, conditional acceptance logits (None without the head)
+
+
+class DraftSide:
+    """Owns the draft model, its paged context K/V cache and block pool."""
+
+    def __init__(self, model: DSparkDraft, num_blocks: int, block_size: int, spec: SpeculativeConfig,
+                 target_vocab: int) -> None:
+        cfg = model.config
+        spec.validate(block_limit=cfg.num_speculative_tokens)
+        self.model, self.spec, self.block_size, self.target_vocab = model, spec, block_size, target_vocab
+        self.num_speculative_tokens = spec.num_speculative_tokens or cfg.num_speculative_tokens
+        self.device = model.fc.weight.device
+        self.cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self._scatter_cols = torch.arange(cfg.draft_vocab_size, device=self.device) + model.d2t.to(self.device)
+
+    @property
+    def query_len(self) -> int:
+        return self.model.config.query_len
+
+    @torch.inference_mode()
+    def write_context(self, reqs: list[Request]) -> None:
+        """Context K/V for every committed position the draft has not seen; positions [draft_context_len, num_computed)."""
+        todo = [r for r in reqs if r.pending_features]
+        if not todo:
+            return
+        starts = [r.draft_context_len for r in todo]
+        lens = [r.num_computed - r.draft_context_len for r in todo]
+        meta = batch_metadata([r.draft_blocks for r in todo], starts, lens, self.block_size, self.device)
+        feats = torch.cat([f for r in todo for f in r.pending_features]).to(self.device)  # [T, ctx_dim]
+        self.model.write_context(feats, positions_of(starts, lens, self.device), meta.slot_mapping, self.cache)
+        for r in todo:
+            r.draft_context_len, r.pending_features = r.num_computed, []
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request], temperature: Tensor, seeds: Tensor) -> DraftProposal:
+        """temperature, seeds [R]; rows with temperature 0 draft by argmax."""
+        self.write_context(reqs)
+        m, cfg, n = self.model, self.model.config, self.num_speculative_tokens
+        q_len = self.query_len
+        starts = [r.anchor_pos for r in reqs]
+        ids = torch.tensor([[r.anchor] + [cfg.mask_token_id] * (q_len - 1) for r in reqs], device=self.device)
+        meta = batch_metadata([r.draft_blocks for r in reqs], starts, [q_len] * len(reqs), self.block_size,
+                              self.device, causal=False)
+        hidden = m.block_hidden(ids.flatten(), positions_of(starts, [q_len] * len(reqs), self.device), meta,
+                                self.cache).view(len(reqs), q_len, -1)
+        first = 0 if cfg.anchor_first else 1
+        hidden = hidden[:, first:first + n]  # [R, N, H]: row k drafts position anchor_pos + 1 + k
+        base = m.base_logits(hidden)  # [R, N, V_draft]
+        return self._markov_walk(hidden, base, ids[:, 0], temperature, seeds,
+                                 torch.tensor(starts, device=self.device))
+
+    def _markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
+                     anchor_pos: Tensor) -> DraftProposal:
+        m, n = self.model, base.shape[1]
+        greedy = (temperature < 1e-5) | (self.spec.draft_sample_method == "greedy")  # [R]
+        need_q = not bool(greedy.all())
+        temp = torch.where(temperature < 1e-5, 1.0, temperature)[:, None]  # [R, 1]
+        prev, tokens, probs, conf = anchor, [], [], []
+        for k in range(n):
+            embed = m.markov_embed(prev) if m.markov_head is not None else None  # [R, r]
+            logits = self._biased_logits(base[:, k], embed)  # [R, V_draft], -inf outside candidates
+            if m.confidence_head is not None:
+                conf.append(m.confidence_logit(hidden[:, k], embed))
+            noise = keyed_gumbel(seeds, (anchor_pos + 1 + k)[:, None], logits.shape[-1], DRAFT_SALT)[:, 0]
+            draft_ids = torch.where(greedy, logits.argmax(-1), (logits / temp + noise).argmax(-1))  # [R]
+            prev = m.to_target_ids(draft_ids)
+            tokens.append(prev)
+            if need_q:
+                q = torch.where(greedy[:, None], torch.nn.functional.one_hot(draft_ids, logits.shape[-1]).float(),
+                                torch.softmax(logits / temp, -1))
+                probs.append(self._to_target_vocab(q))
+        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1) if need_q else None,
+                             torch.stack(conf, 1) if conf else None)
+
+    def _biased_logits(self, base: Tensor, embed: Tensor | None) -> Tensor:
+        """U_k + B(prev) over the full draft vocab, or over the top-k candidates of U_k (gathered bias)."""
+        k = self.spec.dspark_draft_topk
+        if embed is None:
+            return base
+        if not k or k >= base.shape[-1]:
+            return base + self.model.markov_bias(embed)
+        values, idx = base.topk(k, dim=-1)  # [R, K]
+        w2 = self.model.markov_head.markov_w2.weight  # [V_draft, r]
+        bias = torch.einsum("bkr,br->bk", w2[idx].float(), embed.float()) * self.model.config.logit_scale
+        return torch.full_like(base, float("-inf")).scatter_(-1, idx, values + bias)
+
+    def _to_target_vocab(self, q: Tensor) -> Tensor:
+        """[R, V_draft] -> [R, V_target] (identity for a full vocab)."""
+        if q.shape[-1] == self.target_vocab:
+            return q
+        out = q.new_zeros(q.shape[0], self.target_vocab)
+        return out.index_copy_(1, self._scatter_cols, q)

@@ -1,0 +1,58 @@
+"""Paged KV bookkeeping: a block allocator, per-sequence block lists, and attention metadata for a batch."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from dspark_serve.kernels.attention import AttentionMetadata
+
+
+class BlockAllocator:
+    """Fixed pool of cache blocks; rollback is by sequence length, so blocks move only on admit and finish."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) <= len(self._free)
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        n = self.blocks_for(num_tokens)
+        if n > len(self._free):
+            raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+
+def batch_metadata(block_tables: list[list[int]], starts: list[int], query_lens: list[int], block_size: int,
+                   device: torch.device, causal: bool = True) -> AttentionMetadata:
+    """Sequence b writes query_lens[b] tokens at positions starts[b].. and sees everything before them."""
+    width = max(len(t) for t in block_tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, s, q in zip(block_tables, starts, query_lens) for p in range(s, s + q)]
+    seq_lens = [s + q for s, q in zip(starts, query_lens)]
+    cu = [0]
+    for q in query_lens:
+        cu.append(cu[-1] + q)
+    as_dev = lambda x: torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
+    return AttentionMetadata(cu_seqlens_q=as_dev(cu), seq_lens=as_dev(seq_lens), slot_mapping=as_dev(slots),
+                             block_table=table.to(device, non_blocking=True), max_query_len=max(query_lens),
+                             max_seq_len=max(seq_lens), causal=causal)
+
+
+def positions_of(starts: list[int], query_lens: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([p for s, q in zip(starts, query_lens) for p in range(s, s + q)], dtype=torch.int64,
+                        device=device)

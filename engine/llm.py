@@ -1,0 +1,150 @@
+"""The in-process API in vLLM's style: LLM(target, draft, speculative_config).generate(prompts, SamplingParams)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark_serve.models.draft_loader import load_draft
+from dspark_serve.models.dspark import DSparkDraft
+from dspark_serve.models.qwen import QwenForCausalLM
+from dspark_serve.models.target_loader import load_target
+from dspark_serve.models.tokenizer import eos_token_ids, load_tokenizer
+
+from .draft_side import DraftSide
+from .request import Request, RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .spec_config import SpeculativeConfig
+from .target_side import TargetSide
+
+
+class LLM:
+    def __init__(self, target: str | Path | QwenForCausalLM, draft: str | Path | DSparkDraft | None = None,
+                 speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None, *,
+                 dtype: torch.dtype | None = None, device: str | None = None, block_size: int = 16,
+                 num_kv_blocks: int = 2048, max_num_seqs: int = 64, max_model_len: int = 4096,
+                 eos_token_ids: Sequence[int] | None = None) -> None:
+        spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) else \
+            SpeculativeConfig.from_json(speculative_config)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        draft = draft if draft is not None else spec.model
+        self.tokenizer = None
+        if isinstance(target, QwenForCausalLM):
+            target_model = target.to(device)
+        else:
+            target_model = load_target(target, dtype=dtype, device=device)
+            if (Path(target) / "tokenizer.json").is_file() or (Path(target) / "vocab.json").is_file():
+                self.tokenizer = load_tokenizer(target)
+            eos_token_ids = eos_token_ids if eos_token_ids is not None else globals()["eos_token_ids"](target)
+        draft_model = None
+        if draft is not None:
+            draft_model = draft if isinstance(draft, DSparkDraft) else load_draft(draft, target=target_model,
+                                                                                  dtype=dtype)
+            draft_model = draft_model.to(device)
+        capture = draft_model.config.target_layer_ids if draft_model is not None else ()
+        self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture)
+        self.draft = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size) \
+            if draft_model is not None else None
+        self.spec, self.max_model_len = spec, max_model_len
+        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
+        self.scheduler = Scheduler(self.target, self.draft, spec, max_num_seqs=max_num_seqs,
+                                   eos_token_ids=tuple(eos_token_ids or ()), decode=decode)
+        self._ids = itertools.count()
+        self._rng = random.Random(0)
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        return self.draft.num_speculative_tokens if self.draft is not None else 0
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer in the target directory; pass token ids instead")
+            return self.tokenizer.encode(prompt).ids
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, num_speculative_tokens: int | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate(max_tokens_limit=self.max_model_len)
+        ids = self.encode(prompt)
+        vocab = self.target.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty")
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {[t for t in ids if not 0 <= t < vocab][:5]}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
+                             f"({self.max_model_len})")
+        n = self.max_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        if not 0 <= n <= self.max_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens must be in [0, {self.max_speculative_tokens}], got {n}")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        rid = request_id or f"req-{next(self._ids)}"
+        self.scheduler.add(Request(rid, ids, params, seed, n))
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        return self.scheduler.step()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
+                 | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = params if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    async def generate_stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+                              **kw: Any) -> AsyncIterator[RequestOutput]:
+        """One request's outputs, step by step; steps run in a worker thread shared by all streams."""
+        rid = self.add_request(prompt, params, **kw)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams()[rid] = queue
+        self._ensure_loop()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams().pop(rid, None)
+            if not finished:
+                self.abort(rid)
+
+    def _streams(self) -> dict[str, asyncio.Queue]:
+        if not hasattr(self, "_queues"):
+            self._queues: dict[str, asyncio.Queue] = {}
+        return self._queues
+
+    def _ensure_loop(self) -> None:
+        task = getattr(self, "_loop_task", None)
+        if task is None or task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+
+    async def _run_loop(self) -> None:
+        while self.has_unfinished():
+            for out in await asyncio.to_thread(self.step):
+                queue = self._streams().get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)

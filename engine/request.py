@@ -1,0 +1,92 @@
+"""A request's state across steps: committed tokens, cache positions, pending draft context, stats."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from .sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"
+
+
+@dataclass
+class RequestStats:
+    steps: int = 0  # verify steps (a plain decode step counts as one)
+    drafted: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # of those, accepted
+    accepted_per_step: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)  # [num_speculative_tokens]
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per verify step, the bonus/correction token included."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "accepted_per_step": list(self.accepted_per_step), "tau": self.tau,
+                "per_position_accepted": list(self.per_position_accepted),
+                "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3)}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    num_speculative_tokens: int  # this request's cap (0 = plain decoding)
+    output_ids: list[int] = field(default_factory=list)
+    target_blocks: list[int] = field(default_factory=list)
+    draft_blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # target K/V valid for positions [0, num_computed)
+    draft_context_len: int = 0  # draft context K/V valid for positions [0, draft_context_len)
+    pending_features: list[Tensor] = field(default_factory=list)  # target features of [draft_context_len, num_computed)
+    last_survival: Tensor | None = None  # [N] prefix survival from the previous step (for the budget rule)
+    finish_reason: FinishReason | None = None
+    output_text: str = ""
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def anchor(self) -> int:
+        """The last committed token: the target has not run it yet; the draft block starts from it."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def anchor_pos(self) -> int:
+        return self.num_tokens - 1
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a caller sees: the whole output so far (and this step's new tokens when streaming)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stats: dict

@@ -1,0 +1,150 @@
+"""Continuous batching: admit by free KV blocks, prefill, run the speculative step, apply stops, free on finish."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable
+
+import torch
+
+from .draft_side import DraftSide
+from .rejection import verify_mixed
+from .request import FinishReason, Request, RequestOutput
+from .spec_config import SpeculativeConfig
+from .spec_step import sampling_tensors, spec_step
+from .target_side import TargetSide
+
+
+class Scheduler:
+    """Thread-safe: add/abort may be called while another thread runs step()."""
+
+    def __init__(self, target: TargetSide, draft: DraftSide | None, spec: SpeculativeConfig, *,
+                 max_num_seqs: int = 64, eos_token_ids: tuple[int, ...] = (),
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        self.target, self.draft, self.spec = target, draft, spec
+        self.max_num_seqs, self.eos_token_ids, self.decode = max_num_seqs, set(eos_token_ids), decode
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._lock = threading.RLock()
+
+    @property
+    def lookahead(self) -> int:
+        return self.draft.num_speculative_tokens if self.draft is not None else 0
+
+    def reserve_tokens(self, req: Request) -> int:
+        """Blocks are reserved for the whole request at admission, so a running request never waits for memory."""
+        return len(req.prompt_ids) + req.params.max_tokens + self.lookahead + 1
+
+    def add(self, req: Request) -> None:
+        need = self.reserve_tokens(req)
+        pools = [self.target.allocator] + ([self.draft.allocator] if self.draft is not None else [])
+        if any(p.blocks_for(need) > p.num_blocks for p in pools):
+            raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) "
+                             f"does not fit the KV cache ({pools[0].num_blocks * pools[0].block_size} tokens)")
+        with self._lock:
+            self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            for req in list(self.waiting):
+                if req.request_id == request_id:
+                    self.waiting.remove(req)
+                    return True
+            for req in self.running:
+                if req.request_id == request_id:
+                    self._finish(req, FinishReason.ABORT)
+                    self.running.remove(req)
+                    return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            new = self._admit()
+            if new:
+                outputs = self._prefill(new)
+            elif self.running:
+                outputs = self._decode(self.running)
+            else:
+                return []
+            self.running = [r for r in self.running if not r.is_finished]
+            return outputs
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            need = self.reserve_tokens(req)
+            if not self.target.allocator.can_allocate(need) or (
+                    self.draft is not None and not self.draft.allocator.can_allocate(need)):
+                break
+            self.waiting.popleft()
+            req.target_blocks = self.target.allocator.allocate(need)
+            if self.draft is not None:
+                req.draft_blocks = self.draft.allocator.allocate(need)
+            self.running.append(req)
+            admitted.append(req)
+        return admitted
+
+    @torch.inference_mode()
+    def _prefill(self, reqs: list[Request]) -> list[RequestOutput]:
+        logits, feats = self.target.run(reqs, [r.prompt_ids for r in reqs], last_only=True)
+        p = sampling_tensors(reqs, self.target.device)
+        positions = torch.tensor([[len(r.prompt_ids)] for r in reqs], device=self.target.device)
+        none = torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.target.device)
+        first = verify_mixed(none, torch.zeros(len(reqs), dtype=torch.int64, device=none.device), logits, None,
+                             p["is_greedy"], p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
+                             positions).output_tokens[:, 0].tolist()
+        outputs = []
+        for r, f, tok in zip(reqs, feats, first):
+            r.num_computed = len(r.prompt_ids)
+            if f is not None:
+                r.pending_features.append(f)
+            outputs.append(self._emit(r, [tok]))
+        return outputs
+
+    def _decode(self, reqs: list[Request]) -> list[RequestOutput]:
+        result = spec_step(self.target, self.draft, reqs, self.spec)
+        return [self._emit(r, toks) for r, toks in zip(reqs, result.new_tokens)]
+
+    def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
+        """Append tokens up to the first stop; a stop inside an accepted run truncates it."""
+        added = []
+        for tok in tokens:
+            req.output_ids.append(tok)
+            added.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason)
+                break
+        if self.decode is not None and not req.params.stop:
+            req.output_text = self.decode(req.output_ids)
+        return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), req.output_text, added,
+                             req.is_finished, req.finish_reason.value if req.finish_reason else None,
+                             req.stats.to_dict())
+
+    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
+        p = req.params
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return FinishReason.STOP
+        if p.stop and self.decode is not None:
+            text = self.decode(req.output_ids)
+            hits = [text.find(s) for s in p.stop if s in text]
+            if hits:
+                req.output_text = text[:min(hits)]
+                return FinishReason.STOP
+            req.output_text = text
+        if len(req.output_ids) >= p.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self.target.allocator.free(req.target_blocks)
+        req.target_blocks = []
+        if self.draft is not None:
+            self.draft.allocator.free(req.draft_blocks)
+            req.draft_blocks = []

@@ -1,0 +1,116 @@
+"""The speculative step, written once: propose -> choose how much to verify -> verify -> commit."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .draft_side import DraftProposal, DraftSide
+from .rejection import verify_mixed
+from .request import Request
+from .spec_config import SpeculativeConfig
+from .target_side import TargetSide
+
+
+@dataclass(frozen=True)
+class StepResult:
+    new_tokens: list[list[int]]  # per request: accepted drafts + the correction/bonus token (before stop checks)
+    num_accepted: list[int]
+    num_drafted: list[int]
+
+
+def sampling_tensors(reqs: list[Request], device: torch.device) -> dict[str, Tensor]:
+    p = [r.params for r in reqs]
+    t = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
+    return {"temperature": t([x.temperature for x in p], torch.float32), "top_k": t([x.top_k for x in p], torch.int64),
+            "top_p": t([x.top_p for x in p], torch.float32), "min_p": t([x.min_p for x in p], torch.float32),
+            "seeds": t([r.seed for r in reqs], torch.int64), "is_greedy": t([x.is_greedy for x in p], torch.bool)}
+
+
+def num_to_verify(reqs: list[Request], proposal: DraftProposal | None, spec: SpeculativeConfig,
+                  max_drafts: int) -> list[int]:
+    """Drafts verified per request; each cut depends only on what is known before that draft is drawn.
+
+    Threshold: c_k depends on h_k and the previous draft only, so survival prod_{i<=k} c_i >= t decides on
+    draft k without looking at it. Budget: the capacity comes from the previous step's survival (stale).
+    """
+    n = [max(0, min(r.num_speculative_tokens, max_drafts, r.remaining - 1)) for r in reqs]
+    if proposal is None or proposal.confidence_logits is None:
+        return n
+    survival = torch.sigmoid(proposal.confidence_logits).cumprod(-1).cpu()  # [R, N]
+    if spec.dspark_confidence_threshold > 0:
+        confident = (survival >= spec.dspark_confidence_threshold).sum(-1).tolist()
+        n = [min(a, b) for a, b in zip(n, confident)]
+    if spec.dspark_budget_frac > 0:
+        n = [min(a, b) for a, b in zip(n, _budget_capacity(reqs, spec.dspark_budget_frac, max_drafts))]
+    for r, s in zip(reqs, survival):
+        r.last_survival = s
+    return n
+
+
+def _budget_capacity(reqs: list[Request], frac: float, max_drafts: int) -> list[int]:
+    known = [r.last_survival for r in reqs if r.last_survival is not None]
+    if not known:
+        return [max_drafts] * len(reqs)
+    budget = int(len(reqs) * max_drafts * frac) + 1
+    flat = torch.cat([s if s is not None else torch.ones(max_drafts) for s in (r.last_survival for r in reqs)])
+    owner = torch.arange(len(reqs)).repeat_interleave(max_drafts)
+    top = flat.topk(min(budget, flat.numel())).indices
+    return torch.bincount(owner[top], minlength=len(reqs)).tolist()
+
+
+@torch.inference_mode()
+def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], spec: SpeculativeConfig) -> StepResult:
+    """One verify step for every running request; plain decoding when `draft` is None or nothing is drafted."""
+    dev = target.device
+    params = sampling_tensors(reqs, dev)
+    max_drafts = draft.num_speculative_tokens if draft is not None else 0
+    want = [max(0, min(r.num_speculative_tokens, max_drafts, r.remaining - 1)) for r in reqs]
+    t0 = time.perf_counter()
+    proposal = None
+    if draft is not None and any(want):
+        proposal = draft.propose(reqs, params["temperature"].to(draft.device), params["seeds"].to(draft.device))
+    t1 = time.perf_counter()
+    n = num_to_verify(reqs, proposal, spec, max_drafts) if proposal is not None else [0] * len(reqs)
+    drafts = proposal.tokens.to(dev) if proposal is not None else torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
+    draft_lists = drafts.tolist()
+    logits, feats = target.run(reqs, [[r.anchor] + d[:k] for r, d, k in zip(reqs, draft_lists, n)], last_only=False)
+    width = logits.shape[1] - 1
+    positions = torch.tensor([[r.anchor_pos + 1 + i for i in range(width + 1)] for r in reqs], device=dev)
+    q = proposal.probs[:, :width].to(dev) if proposal is not None and proposal.probs is not None else None
+    result = verify_mixed(drafts[:, :width], torch.tensor(n, device=dev), logits, q, params["is_greedy"],
+                          params["temperature"], params["top_k"], params["top_p"], params["min_p"],
+                          params["seeds"], positions)
+    accepted = result.num_accepted.tolist()  # the step's one device -> host sync
+    out_tokens = result.output_tokens.tolist()
+    t2 = time.perf_counter()
+    new_tokens = []
+    for r, a, k, f, toks in zip(reqs, accepted, n, feats, out_tokens):
+        _commit_cache(r, a, f)
+        _record(r, a, k, (t1 - t0) * 1e3, (t2 - t1) * 1e3, max_drafts)
+        new_tokens.append(toks[:a + 1])
+    return StepResult(new_tokens, accepted, n)
+
+
+def _commit_cache(r: Request, accepted: int, features: Tensor | None) -> None:
+    """Keep the anchor and the accepted drafts: the rest is rolled back by length, without copies."""
+    r.num_computed += accepted + 1
+    if features is not None:
+        r.pending_features.append(features[:accepted + 1])
+
+
+def _record(r: Request, accepted: int, drafted: int, draft_ms: float, verify_ms: float, max_drafts: int) -> None:
+    s = r.stats
+    s.steps += 1
+    s.drafted += drafted
+    s.accepted += accepted
+    s.accepted_per_step.append(accepted)
+    if len(s.per_position_accepted) < max_drafts:
+        s.per_position_accepted.extend([0] * (max_drafts - len(s.per_position_accepted)))
+    for i in range(accepted):
+        s.per_position_accepted[i] += 1
+    s.draft_ms += draft_ms
+    s.verify_ms += verify_ms

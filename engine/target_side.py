@@ -1,0 +1,55 @@
+"""The target's half of a step: run new tokens of many sequences at once, return logits rows and features."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dspark_serve.models.qwen import QwenForCausalLM
+
+from .kv_cache import BlockAllocator, batch_metadata, positions_of
+from .request import Request
+
+
+class TargetSide:
+    """Owns the target model, its paged KV cache and block pool."""
+
+    def __init__(self, model: QwenForCausalLM, num_blocks: int, block_size: int,
+                 capture_layers: tuple[int, ...] = ()) -> None:
+        self.model, self.block_size, self.capture_layers = model, block_size, capture_layers
+        self.device = model.lm_head.weight.device
+        self.cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.allocator = BlockAllocator(num_blocks, block_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @torch.inference_mode()
+    def run(self, reqs: list[Request], tokens: list[list[int]], last_only: bool) -> tuple[Tensor, list[Tensor | None]]:
+        """Write `tokens[b]` at positions num_computed.. of reqs[b].
+
+        Returns logits [R, Q, V] fp32 (Q = 1 with last_only, else the longest token list; short rows padded with
+        zeros) and per request the captured features [len(tokens[b]), len(capture) * hidden] (or None).
+        Does not advance num_computed: the caller commits what was accepted.
+        """
+        starts = [r.num_computed for r in reqs]
+        lens = [len(t) for t in tokens]
+        meta = batch_metadata([r.target_blocks for r in reqs], starts, lens, self.block_size, self.device)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
+        hidden, feats = self.model(ids, positions_of(starts, lens, self.device), meta, self.cache,
+                                   capture_layers=self.capture_layers)
+        cu = meta.cu_seqlens_q
+        if last_only:
+            logits = self.model.compute_logits(hidden[cu[1:] - 1])[:, None]  # [R, 1, V]
+        else:
+            width = max(lens)
+            req = torch.repeat_interleave(torch.arange(len(reqs), device=self.device), cu[1:] - cu[:-1])
+            off = torch.arange(ids.shape[0], device=self.device) - cu[req]
+            logits = hidden.new_zeros(len(reqs), width, self.vocab_size, dtype=torch.float32)
+            logits[req, off] = self.model.compute_logits(hidden)
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        per_req = [feats[a:b] if feats is not None else None for a, b in zip(offsets, offsets[1:])]
+        return logits, per_req
