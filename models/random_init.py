@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,23 +34,50 @@ def save_target(model: QwenForCausalLM, path: str | Path) -> Path:
     return path
 
 
-def random_pair(path: str | Path, seed: int = 0, block_size: int = 4, markov_rank: int = 16) -> tuple[Path, Path]:
-    """A random tiny Qwen3 target and a DSpark draft over it (DeepSpec format), under `path`/{target,draft}."""
-    torch.manual_seed(seed)
-    tcfg = tiny_target_config()
-    target = QwenForCausalLM(tcfg)
-    with torch.no_grad():
-        for p in target.parameters():
-            p.normal_(0.0, 0.2) if p.dim() > 1 else p.fill_(1.0)
-    dcfg = DraftConfig(layers=ModelConfig(**{**tcfg.__dict__, "num_layers": 1}), format="deepspec",
-                       block_size=block_size, target_layer_ids=(0, tcfg.num_layers - 2),
-                       mask_token_id=tcfg.vocab_size - 1, anchor_first=True, target_hidden_size=tcfg.hidden_size,
-                       draft_vocab_size=tcfg.vocab_size, markov_rank=markov_rank, enable_confidence_head=True)
-    draft = DSparkDraft(dcfg)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.normal_(0.0, 0.2) if p.dim() > 1 else p.fill_(1.0)
-        draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-        draft.lm_head.weight.copy_(target.lm_head.weight)
+def random_pair(path: str | Path, seed: int = 0, block_size: int = 4, vocab: int = 512,
+                agree: float | None = None) -> tuple[Path, Path]:
+    """tiny_pair written as checkpoints: an HF-format target and a DeepSpec-format draft under `path`."""
+    target, draft = tiny_pair(seed, vocab=vocab, block_size=block_size, agree=agree, dtype=torch.float32)
     root = Path(path)
     return save_target(target, root / "target"), save_draft(draft, root / "draft", "deepspec")
+
+
+def _randomize(module: torch.nn.Module, std: float) -> None:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, std) if p.dim() > 1 else p.normal_(1.0, 0.1)
+
+
+def tiny_pair(seed: int = 0, *, vocab: int = 256, block_size: int = 4, draft_vocab: int | None = None,
+               markov_rank: int = 16, confidence: bool = True, anchor_first: bool = True,
+               agree: float | None = None, dtype: torch.dtype = torch.float64) -> tuple[QwenForCausalLM, DSparkDraft]:
+    """agree=x: the target is a bigram model plus context terms scaled by x, and the draft's Markov head is
+    exactly that bigram (its block output is zeroed), so drafts are often, not always, right."""
+    torch.manual_seed(seed)
+    tcfg = replace(tiny_target_config(vocab), dtype=dtype)
+    target = QwenForCausalLM(tcfg)
+    _randomize(target, 0.2)
+    draft_vocab = draft_vocab or vocab
+    rank = tcfg.hidden_size if agree is not None else markov_rank
+    dcfg = DraftConfig(layers=ModelConfig(**{**tcfg.__dict__, "num_layers": 1}), format="deepspec",
+                       block_size=block_size, target_layer_ids=(0, 2), mask_token_id=vocab - 1,
+                       anchor_first=anchor_first, target_hidden_size=tcfg.hidden_size, draft_vocab_size=draft_vocab,
+                       markov_rank=rank, enable_confidence_head=confidence)
+    draft = DSparkDraft(dcfg, input_vocab=vocab)
+    _randomize(draft, 0.2)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        if draft_vocab == vocab:
+            draft.lm_head.weight.copy_(target.lm_head.weight)
+        else:
+            keep = torch.randperm(vocab)[:draft_vocab].sort().values
+            draft.lm_head.weight.copy_(target.lm_head.weight[keep])
+            draft.d2t = keep - torch.arange(draft_vocab)
+        if agree is not None:
+            for layer in target.model.layers:
+                layer.self_attn.o_proj.weight.mul_(agree)
+                layer.mlp.down_proj.weight.mul_(agree)
+            draft.norm.weight.zero_()
+            draft.markov_head.markov_w1.weight.copy_(target.model.norm(target.model.embed_tokens.weight))
+            draft.markov_head.markov_w2.weight.copy_(target.lm_head.weight)
+    return target.to(dtype).eval(), draft.to(dtype).eval()
