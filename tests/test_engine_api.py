@@ -1,0 +1,108 @@
+"""Stops (EOS, stop ids, stop strings, max_tokens) truncate accepted runs; abort frees blocks; streaming is ordered."""
+
+import asyncio
+
+import pytest
+from engine_pairs import build_pair
+
+from dspark_serve.engine.llm import LLM
+from dspark_serve.engine.reference import greedy_generate
+from dspark_serve.engine.sampling_params import SamplingParams
+
+PROMPT = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return build_pair(seed=4, agree=0.002, block_size=6)
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    return greedy_generate(pair[0], PROMPT, 40)
+
+
+def _llm(pair, **kw):
+    return LLM(pair[0], pair[1], device="cpu", block_size=8, num_kv_blocks=256, **kw)
+
+
+def test_long_accepted_runs_happen(pair):
+    out = _llm(pair).generate([PROMPT], SamplingParams(temperature=0, max_tokens=40))[0]
+    assert max(out.stats["accepted_per_step"]) >= 4
+
+
+@pytest.mark.parametrize("index", [3, 9, 17])
+def test_stop_token_inside_accepted_run_truncates(pair, reference, index):
+    stop = reference[index]
+    first = reference.index(stop)
+    out = _llm(pair).generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=(stop,)))[0]
+    assert out.token_ids == reference[:first + 1] and out.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(pair, reference):
+    eos = reference[6]
+    first = reference.index(eos)
+    llm = _llm(pair, eos_token_ids=[eos])
+    assert llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40))[0].token_ids == reference[:first + 1]
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    assert out.token_ids == reference and out.finish_reason == "length"
+
+
+def test_stop_string_truncates_text_and_tokens(pair, reference):
+    llm = _llm(pair)
+    llm.scheduler.decode = lambda ids: "".join(f"<{t}>" for t in ids)
+    stop = f"<{reference[12]}><{reference[13]}>"
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, stop=(stop,)))[0]
+    full = "".join(f"<{t}>" for t in reference)
+    assert out.finish_reason == "stop" and out.text == full[:full.index(stop)]
+    assert out.token_ids == reference[:len(out.token_ids)] and len(out.token_ids) <= 14
+
+
+def test_abort_frees_blocks_and_others_continue(pair, reference):
+    llm = _llm(pair)
+    free = llm.target.allocator.num_free
+    a = llm.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=40))
+    b = llm.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=40))
+    llm.step()
+    llm.step()
+    assert llm.target.allocator.num_free < free
+    assert llm.abort(a) and not llm.abort("nope")
+    finished = {}
+    while llm.has_unfinished():
+        finished.update({o.request_id: o for o in llm.step() if o.finished})
+    assert a not in finished and finished[b].token_ids == reference
+    assert llm.target.allocator.num_free == free and llm.draft.allocator.num_free == free
+
+
+def test_async_stream_is_ordered_and_complete(pair, reference):
+    llm = _llm(pair)
+
+    async def consume(params):
+        return [o async for o in llm.generate_stream(PROMPT, params)]
+
+    async def both():
+        return await asyncio.gather(consume(SamplingParams(temperature=0, max_tokens=40)),
+                                    consume(SamplingParams(temperature=0, max_tokens=10)))
+
+    long, short = asyncio.run(both())
+    for outs, n in ((long, 40), (short, 10)):
+        streamed = [t for o in outs for t in o.new_token_ids]
+        assert streamed == reference[:n] and outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert len(outs) == outs[-1].stats["steps"] + 1  # one message per verify step, plus the prefill token
+
+
+@pytest.mark.parametrize("prompt,params,kw,message", [
+    ([], SamplingParams(), {}, "prompt is empty"),
+    ([1, 300], SamplingParams(), {}, "prompt token ids must be in [0, 256)"),
+    ([1], SamplingParams(temperature=float("nan")), {}, "temperature must be a finite number"),
+    ([1], SamplingParams(top_p=0.0), {}, "top_p must be in (0, 1]"),
+    ([1], SamplingParams(max_tokens=5000), {}, "max_tokens must be <="),
+    ([1] * 4000, SamplingParams(max_tokens=200), {}, "exceeds max_model_len"),
+    ([1], SamplingParams(), {"num_speculative_tokens": 7}, "num_speculative_tokens must be in [0, 6]"),
+])
+def test_bad_requests_are_rejected_with_the_field_named(pair, prompt, params, kw, message):
+    llm = _llm(pair)
+    with pytest.raises(ValueError) as e:
+        llm.add_request(prompt, params, **kw)
+    assert message in str(e.value)
+    assert not llm.has_unfinished()
