@@ -76,12 +76,42 @@ class DSparkDraft(nn.Module):
                            dtype=dtype or ref.dtype, device=device or ref.device)
 
     def write_context(self, features: Tensor, positions: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
-        """Target features [T, len(target_layer_ids) * target_hidden] -> context K/V of every layer at `positions`."""
+        """Target features [T, len(target_layer_ids) * target_hidden] -> context K/V of every layer at `positions`.
+
+        One GEMM over all layers' stacked [Wk; Wv], then each layer's k_norm and RoPE; NOTE: no
+        input_layernorm on the context.
+        """
         ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
-        for i, layer in enumerate(self.layers):  # NOTE: no input_layernorm on the context
+        w, b = self._fused_kv()
+        c = self.config.layers
+        kv = F.linear(ctx, w, b).view(ctx.shape[0], len(self.layers), 2, c.num_kv_heads, c.head_dim)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            k = attn.k_norm(kv[:, i, 0]) if attn.k_norm is not None else kv[:, i, 0]
+            store_kv(Rotary.apply(k, cos, sin), kv[:, i, 1], kv_cache[i, 0], kv_cache[i, 1], slot_mapping)
+
+    def write_context_per_layer(self, features: Tensor, positions: Tensor, slot_mapping: Tensor,
+                                kv_cache: Tensor) -> None:
+        """Same as write_context with one k/v projection per layer (the reference for the fused path)."""
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(ctx, cos, sin)
             store_kv(k, v, kv_cache[i, 0], kv_cache[i, 1], slot_mapping)
+
+    def _fused_kv(self) -> tuple[Tensor, Tensor | None]:
+        """[num_layers * 2 * kv_size, hidden]: per layer its k then v rows; cached for inference (rebuilt when the
+        weights are replaced, not when they are updated in place)."""
+        key = tuple((l.self_attn.k_proj.weight.data_ptr(), l.self_attn.k_proj.weight.device) for l in self.layers)
+        if getattr(self, "_fused_key", None) != key:
+            attns = [l.self_attn for l in self.layers]
+            self._fused = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)]).detach()
+            has_bias = attns[0].k_proj.bias is not None
+            self._fused_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]).detach() \
+                if has_bias else None
+            self._fused_key = key
+        return self._fused, self._fused_bias
 
     def block_hidden(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """Query block tokens [R * Q] (non-causal `meta`) -> final-normed hidden [R * Q, hidden]."""

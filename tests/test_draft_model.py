@@ -143,3 +143,15 @@ def test_block_layouts_from_each_format():
     spec = DraftConfig.from_hf({"transformer_layer_config": base, "aux_hidden_state_layer_ids": [1, 2],
                                 "speculators_model_type": "dspark", "markov_rank": 8, "draft_vocab_size": 100})
     assert (spec.anchor_first, spec.block_size, spec.draft_vocab_size) == (True, 8, 100)
+
+
+def test_fused_context_kv_equals_per_layer(target):
+    cfg = draft_config()
+    draft = random_draft(cfg, target, seed=5)
+    feats = torch.randn(9, cfg.context_dim)
+    meta = metadata([0], [9], BLOCK, PER_SEQ)
+    caches = [draft.allocate_kv_cache(PER_SEQ, BLOCK) for _ in range(2)]
+    with torch.no_grad():
+        draft.write_context(feats, torch.arange(9), meta.slot_mapping, caches[0])
+        draft.write_context_per_layer(feats, torch.arange(9), meta.slot_mapping, caches[1])
+    assert caches[0].abs().sum() > 0 and torch.allclose(caches[0], caches[1], atol=1e-6)
