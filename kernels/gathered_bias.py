@@ -23,17 +23,15 @@ def _gathered_bias_nvfp4_kernel(e_ptr, packed_ptr, scale_ptr, scale_2_ptr, value
     j = pj * BLOCK_J + tl.arange(0, BLOCK_J)                                   # [BJ]
     jmask = j < TOPK
     idx = tl.load(index_ptr + b * stride_i + j, mask=jmask, other=0).to(tl.int64)
-    v3 = idx[:, None, None]                                                    # [BJ, 1, 1]
-    g3 = tl.arange(0, R // 16)[None, :, None]                                  # [1, G, 1]
-    p3 = tl.arange(0, 8)[None, None, :]                                        # [1, 1, 8]
-    m3 = jmask[:, None, None]
-    byte = tl.load(packed_ptr + v3 * (R // 2) + g3 * 8 + p3, mask=m3, other=0).to(tl.int32)   # [BJ, G, 8]
-    s = fp8e4m3_to_f32(tl.load(scale_ptr + v3 * (R // 16) + g3, mask=m3, other=0))          # [BJ, G, 1]
-    col = g3 * 16 + p3 * 2
-    e_even = tl.load(e_ptr + b * stride_e + col).to(tl.float32)                             # [1, G, 8]
-    e_odd = tl.load(e_ptr + b * stride_e + col + 1).to(tl.float32)
+    row = idx[:, None]                                                         # [BJ, 1]
+    pair = tl.arange(0, R // 2)[None, :]                                       # [1, R/2]
+    m2 = jmask[:, None]
+    byte = tl.load(packed_ptr + row * (R // 2) + pair, mask=m2, other=0).to(tl.int32)        # [BJ, R/2]
+    s = fp8e4m3_to_f32(tl.load(scale_ptr + row * (R // 16) + pair // 8, mask=m2, other=0))  # [BJ, R/2]
+    e_even = tl.load(e_ptr + b * stride_e + 2 * pair).to(tl.float32)                        # [1, R/2]
+    e_odd = tl.load(e_ptr + b * stride_e + 2 * pair + 1).to(tl.float32)
     prod = e2m1_times(byte & 0xF, s) * e_even + e2m1_times(byte >> 4, s) * e_odd
-    dot = tl.sum(tl.sum(prod, axis=2), axis=1) * tl.load(scale_2_ptr)                         # [BJ]
+    dot = tl.sum(prod, axis=1) * tl.load(scale_2_ptr)                                       # [BJ]
     val = tl.load(values_ptr + b * stride_v + j, mask=jmask, other=0.0).to(tl.float32)
     tl.store(logits_ptr + b * stride_l + idx, (val + alpha * dot).to(logits_ptr.dtype.element_ty), mask=jmask)
 

@@ -31,10 +31,10 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmConfig:
         return GemmConfig(128, 64, 128, num_warps=8)
     if m > 16:
         return GemmConfig(64, 64, 128)
-    block_n, block_k = 64, 256
+    block_n, block_k = 64, 128
     tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     split = 1
-    while tiles * split < 2 * num_sms and split * 2 <= steps // 4:
+    while tiles * split < 2 * num_sms and split * 2 <= steps // 2:
         split *= 2
     return GemmConfig(16, block_n, block_k, split_k=split, num_stages=4)
 
@@ -45,29 +45,26 @@ def _w4a16_gemm_kernel(x_ptr, packed_ptr, scale_ptr, scale_2_ptr, out_ptr, M, N,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // 16
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]                 # [BM, 1]
-    pair = tl.arange(0, HALF)[None, :]                                        # [1, BK/2]
-    n3 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]               # [BN, 1, 1]
-    g3 = tl.arange(0, GROUPS)[None, :, None]                                  # [1, G, 1]
-    p3 = tl.arange(0, 8)[None, None, :]                                       # [1, 1, 8]
+    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]                 # [BN, 1]
+    pair = tl.arange(0, HALF)[None, :]                                        # [1, BK/2] byte in the step
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
-        xmask = (rows_m < M) & (k0 + 2 * pair < K)
+        kmask = k0 + 2 * pair < K
+        xmask = (rows_m < M) & kmask
         x_even = tl.load(x_ptr + rows_m * stride_xm + k0 + 2 * pair, mask=xmask, other=0.0)     # [BM, BK/2]
         x_odd = tl.load(x_ptr + rows_m * stride_xm + k0 + 2 * pair + 1, mask=xmask, other=0.0)
-        grp = k0 // 16 + g3
-        wmask = (n3 < N) & (grp < K // 16)
-        b = tl.load(packed_ptr + n3 * (K // 2) + grp * 8 + p3, mask=wmask, other=0).to(tl.int32)  # [BN, G, 8]
-        s = fp8e4m3_to_f32(tl.load(scale_ptr + n3 * (K // 16) + grp, mask=wmask, other=0))      # [BN, G, 1]
-        w_lo = tl.reshape(e2m1_times(b & 0xF, s), (BLOCK_N, HALF))                              # [BN, BK/2]
-        w_hi = tl.reshape(e2m1_times(b >> 4, s), (BLOCK_N, HALF))
+        wmask = (rows_n < N) & kmask
+        b = tl.load(packed_ptr + rows_n * (K // 2) + k0 // 2 + pair, mask=wmask, other=0).to(tl.int32)  # [BN, BK/2]
+        s = fp8e4m3_to_f32(tl.load(scale_ptr + rows_n * (K // 16) + (k0 // 2 + pair) // 8, mask=wmask, other=0))
+        w_lo = e2m1_times(b & 0xF, s)                                         # [BN, BK/2] code * fp8 scale
+        w_hi = e2m1_times(b >> 4, s)
         if DOT_F32:  # the CPU interpreter multiplies bf16 bit patterns in tl.dot: keep operands fp32 there
             acc += tl.dot(x_even.to(tl.float32), tl.trans(w_lo))
             acc += tl.dot(x_odd.to(tl.float32), tl.trans(w_hi))
-        else:        # code * fp8 scale has <= 5 significant bits: exact in bf16
+        else:        # code * fp8 scale has <= 6 significant bits: exact in bf16
             acc += tl.dot(x_even, tl.trans(w_lo.to(tl.bfloat16)))
             acc += tl.dot(x_odd, tl.trans(w_hi.to(tl.bfloat16)))
     acc *= tl.load(scale_2_ptr)
@@ -92,6 +89,8 @@ def w4a16_gemm(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
         x = x.contiguous()
     m = x.shape[0]
     cfg = config or default_config(m, n, k)
+    if cfg.split_k > 1 and cfg.block_m > 16:  # measured wrong on an H200 (rel. err 0.86), cause not found yet
+        raise ValueError(f"split_k > 1 is only supported with block_m == 16, got {cfg}")
     dot_f32 = not x.is_cuda or x.dtype == torch.float32
     if x.dtype != torch.bfloat16 and not dot_f32:
         x = x.to(torch.bfloat16)

@@ -1,0 +1,137 @@
+"""NVFP4 kernels at Qwen3-8B DSpark draft shapes: GB/s on the NVFP4 bytes vs device copy bandwidth, speedup vs bf16.
+
+Every timing is a CUDA graph of `reps` calls cycling through enough weight copies (> L2) that each call reads
+from HBM. Usage: python bench/bench_nvfp4.py [--sweep] [--out results.json]
+"""
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dspark_serve.kernels import gathered_bias as gb
+from dspark_serve.kernels import nvfp4
+from dspark_serve.kernels.w4a16_gemm import GemmConfig, default_config, w4a16_gemm
+
+SHAPES = {"fc": (4096, 20480), "q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096),
+          "down": (4096, 12288), "lm_head": (151936, 4096)}
+MS = (1, 7, 8, 16, 64, 128)
+ROTATE_BYTES = 512 << 20
+
+
+def graph_time_us(fns, reps: int = 40) -> float:
+    """Mean microseconds per call of fns[i % len(fns)], captured in one CUDA graph."""
+    for f in fns[:2]:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(5):
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return best
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time_us([lambda: dst.copy_(src)], reps=10)
+    return 2 * src.numel() / us / 1e3                       # read + write
+
+
+def sweep_configs(m: int) -> list[GemmConfig]:
+    if m <= 16:
+        return [GemmConfig(16, bn, bk, split_k=s, num_warps=w, num_stages=st)
+                for bn, bk, w, st in ((32, 256, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3), (64, 256, 4, 3))
+                for s in (1, 4, 8)]
+    bm = 64 if m <= 64 else 128
+    return [GemmConfig(bm, bn, bk, num_warps=w, num_stages=st)
+            for bn, bk, w, st in ((64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4))]
+
+
+def bench_gemm(name: str, n: int, k: int, copy_gbs: float, sweep: bool) -> list[dict]:
+    base = nvfp4.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    q_bytes = base[0].numel() + base[1].numel() + 4
+    copies = [tuple(t.clone() for t in base) for _ in range(max(1, min(64, ROTATE_BYTES // q_bytes)))]
+    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+             for _ in range(max(1, min(32, ROTATE_BYTES // (2 * n * k))))]
+    rows = []
+    for m in MS:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        bf16_us = graph_time_us([lambda w=w: F.linear(x, w) for w in dense])
+        configs = [default_config(m, n, k)] + (sweep_configs(m) if sweep else [])
+        results = []
+        for cfg in dict.fromkeys(configs):
+            try:
+                us = graph_time_us([lambda c=c, cfg=cfg: w4a16_gemm(x, *c, config=cfg) for c in copies])
+            except Exception as exc:  # a config that does not compile / fit: skip it in the sweep
+                print(f"skip {cfg}: {type(exc).__name__}")
+                continue
+            results.append((us, cfg))
+        us_default = results[0][0]
+        us_best, cfg_best = min(results, key=lambda r: r[0])
+        gbs = q_bytes / us_default / 1e3
+        rows.append({"shape": name, "N": n, "K": k, "M": m, "nvfp4_bytes": q_bytes, "us": us_default,
+                     "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs, "bf16_us": bf16_us,
+                     "speedup_vs_bf16": bf16_us / us_default, "best_us": us_best, "best_config": cfg_best.__dict__})
+        print(f"{name:8s} M={m:3d} {us_default:8.2f} us {gbs:7.0f} GB/s {100 * gbs / copy_gbs:5.1f}% "
+              f"bf16 {bf16_us:8.2f} us x{bf16_us / us_default:4.2f}  best {us_best:8.2f} {cfg_best}", flush=True)
+    del copies, dense
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_markov(copy_gbs: float) -> list[dict]:
+    vocab, rank = 151936, 256
+    base = nvfp4.quantize(torch.randn(vocab, rank, device="cuda") * 0.05)
+    copies = [tuple(t.clone() for t in base) for _ in range(16)]
+    dense = [torch.randn(vocab, rank, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+    rows = []
+    for bsz in MS:
+        for topk in (64, 128, 256, 512):
+            e = torch.randn(bsz, rank, device="cuda", dtype=torch.bfloat16)
+            values = torch.randn(bsz, topk, device="cuda", dtype=torch.bfloat16)
+            index = torch.stack([torch.randperm(vocab, device="cuda")[:topk] for _ in range(bsz)])
+            logits = torch.full((bsz, vocab), float("-inf"), device="cuda", dtype=torch.bfloat16)
+            us = graph_time_us([lambda c=c: gb.gathered_bias(e, *c, values, index, logits, 1.0) for c in copies])
+            us_dense = graph_time_us([lambda w=w: gb.gathered_bias_dense(e, w, values, index, logits, 1.0)
+                                      for w in dense])
+            us_torch = graph_time_us([lambda w=w: gb.gathered_bias_dense_ref(e, w, values, index, logits, 1.0)
+                                      for w in dense])
+            q_bytes = bsz * topk * (rank // 2 + rank // 16)
+            rows.append({"shape": "markov_w2", "B": bsz, "topk": topk, "us": us, "GBps": q_bytes / us / 1e3,
+                         "pct_copy": 100 * q_bytes / us / 1e3 / copy_gbs, "bf16_triton_us": us_dense,
+                         "bf16_torch_us": us_torch, "speedup_vs_bf16_torch": us_torch / us})
+            print(f"markov B={bsz:3d} k={topk:3d} {us:7.2f} us {q_bytes / us / 1e3:6.0f} GB/s  bf16 triton "
+                  f"{us_dense:7.2f} us  bf16 torch {us_torch:7.2f} us x{us_torch / us:4.2f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sweep", action="store_true", help="also time a grid of GEMM configs per (shape, M)")
+    p.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    p.add_argument("--out", default="bench_nvfp4.json")
+    args = p.parse_args()
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}  device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
+    rows = [r for s in args.shapes for r in bench_gemm(s, *SHAPES[s], copy_gbs, args.sweep)]
+    markov = bench_markov(copy_gbs)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbs, "gemm": rows,
+                   "markov": markov, "torch": torch.__version__}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
