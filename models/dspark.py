@@ -6,31 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark_serve.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from dspark_serve.kernels.attention import AttentionMetadata, store_kv
 
 from .draft_config import DraftConfig
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary
-
-
-class DraftLayer(nn.Module):
-    """A Qwen3 layer whose attention also sees the context rows, projected by this layer's own k/v/k_norm."""
-
-    def __init__(self, draft: DraftConfig) -> None:
-        super().__init__()
-        cfg = draft.layers
-        self.self_attn = AttentionProjections(cfg)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
-        attn = self.self_attn
-        h = self.input_layernorm(x)
-        k, v = attn.key_value(h, cos, sin)
-        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        o = paged_attention(attn.query(h, cos, sin), kv_cache[0], kv_cache[1], meta, attn.scale)
-        x = x + attn.o_proj(o.reshape(x.shape[0], -1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+from .layers import RMSNorm, Rotary
+from .qwen import DecoderLayer
 
 
 class MarkovHead(nn.Module):
@@ -57,7 +37,7 @@ class DSparkDraft(nn.Module):
         self.config = cfg
         input_vocab = input_vocab or lc.vocab_size
         self.embed_tokens = nn.Embedding(input_vocab, lc.hidden_size)
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(lc.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(lc) for _ in range(lc.num_layers))  # non-causal via metadata
         self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
         self.fc = nn.Linear(cfg.context_dim, lc.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
@@ -71,7 +51,7 @@ class DSparkDraft(nn.Module):
                           device: torch.device | str | None = None) -> Tensor:
         """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
         c = self.config.layers
-        ref = self.fc.weight
+        ref = self.hidden_norm.weight  # not fc.weight: an NVFP4 fc stores packed uint8
         return torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
                            dtype=dtype or ref.dtype, device=device or ref.device)
 
@@ -81,7 +61,7 @@ class DSparkDraft(nn.Module):
         One GEMM over all layers' stacked [Wk; Wv], then each layer's k_norm and RoPE; NOTE: no
         input_layernorm on the context.
         """
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, hidden]
+        ctx = self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         w, b = self._fused_kv()
         c = self.config.layers
@@ -94,7 +74,7 @@ class DSparkDraft(nn.Module):
     def write_context_per_layer(self, features: Tensor, positions: Tensor, slot_mapping: Tensor,
                                 kv_cache: Tensor) -> None:
         """Same as write_context with one k/v projection per layer (the reference for the fused path)."""
-        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        ctx = self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(ctx, cos, sin)
@@ -106,7 +86,10 @@ class DSparkDraft(nn.Module):
         key = tuple((l.self_attn.k_proj.weight.data_ptr(), l.self_attn.k_proj.weight.device) for l in self.layers)
         if getattr(self, "_fused_key", None) != key:
             attns = [l.self_attn for l in self.layers]
-            self._fused = torch.cat([w for a in attns for w in (a.k_proj.weight, a.v_proj.weight)]).detach()
+            dt = self.hidden_norm.weight.dtype  # NVFP4 k/v projections are dequantized once into the fused weight
+            dense = [p.weight if isinstance(p, nn.Linear) else p.dequantized_weight(dt)
+                     for a in attns for p in (a.k_proj, a.v_proj)]
+            self._fused = torch.cat(dense).detach()
             has_bias = attns[0].k_proj.bias is not None
             self._fused_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]).detach() \
                 if has_bias else None
