@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["quantize"]:  # argparse.REMAINDER drops a leading option (--help), so route directly
+        from dspark_serve.models import quantize
+
+        return int(quantize.main(argv[1:]) or 0)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -103,7 +103,14 @@ class DraftSide:
         if not k or k >= base.shape[-1]:
             return base + self.model.markov_bias(embed)
         values, idx = base.topk(k, dim=-1)  # [R, K]
-        w2 = self.model.markov_head.markov_w2.weight  # [V_draft, r]
+        w2_mod = self.model.markov_head.markov_w2
+        from dspark_serve.models.nvfp4_linear import NVFP4Linear
+        if isinstance(w2_mod, NVFP4Linear):  # read only the k candidate rows, 4-bit
+            from dspark_serve.kernels.gathered_bias import gathered_bias, gathered_bias_ref
+            fn = gathered_bias if base.is_cuda else gathered_bias_ref
+            return fn(embed, w2_mod.weight, w2_mod.weight_scale, w2_mod.weight_scale_2, values, idx,
+                      torch.full_like(base, float("-inf")), self.model.config.logit_scale)
+        w2 = w2_mod.weight  # [V_draft, r]
         bias = torch.einsum("bkr,br->bk", w2[idx].float(), embed.float()) * self.model.config.logit_scale
         return torch.full_like(base, float("-inf")).scatter_(-1, idx, values + bias)
 

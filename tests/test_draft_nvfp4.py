@@ -1,0 +1,162 @@
+"""NVFP4 (ModelOpt W4A16) draft checkpoints: `quantize_checkpoint` output loads as NVFP4Linear layers whose outputs
+equal a dense draft holding the dequantized weights, the engine's gathered top-k path agrees, and bad configs fail
+with a message naming the problem (CPU)."""
+
+import json
+
+import pytest
+import torch
+from drafts import VOCAB, draft_config, random_draft, tiny_target
+from test_draft_model import _draft_outputs, _inputs
+
+from dspark_serve.engine.llm import LLM
+from dspark_serve.engine.reference import greedy_generate
+from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.models.config import CheckpointError
+from dspark_serve.models.draft_loader import canonical_layer_names, load_draft
+from dspark_serve.models.draft_saver import save_draft
+from dspark_serve.models.nvfp4_linear import NVFP4Linear
+from dspark_serve.models.quantize import quantize_checkpoint
+
+pytest.importorskip("transformers")
+RANK = 16   # markov_w2 is [V, 16]: K % 16 == 0, so it is quantized too
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return tiny_target(tmp_path_factory.mktemp("target"))
+
+
+def _quantized(target, tmp_path, fmt="deepspec", seed=0):
+    cfg = draft_config(markov_rank=RANK)
+    draft = random_draft(cfg, target, seed=seed)
+    src = save_draft(draft, tmp_path / f"{fmt}-bf16", fmt)
+    names = quantize_checkpoint(src, tmp_path / f"{fmt}-nvfp4", device="cpu")
+    return cfg, draft, tmp_path / f"{fmt}-nvfp4", names
+
+
+def _dense_twin(draft, loaded, names):
+    """`draft` with each quantized linear's weight replaced by the loaded NVFP4 layer's dequantized weight."""
+    with torch.no_grad():
+        for name in names:
+            draft.get_submodule(name).weight.copy_(loaded.get_submodule(name).dequantized_weight(torch.float32))
+    return draft
+
+
+def _assert_close(ours, theirs):
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["deepspec", "vllm"])
+def test_nvfp4_draft_equals_dense_dequantized_twin(target, tmp_path, fmt):
+    cfg, draft, path, names = _quantized(target, tmp_path, fmt)
+    canon = {"fc", "lm_head", "markov_head.markov_w2"} | {
+        f"layers.{i}.{m}.{p}_proj" for i in range(2)
+        for m, parts in (("self_attn", "qkvo"), ("mlp", ("gate", "up", "down"))) for p in parts}
+    if fmt == "vllm":   # DEFAULT_INCLUDE patterns have no `model.` prefix: only lm_head matches vLLM names
+        assert names == {"lm_head"}
+        canon = canonical_layer_names(names)
+    loaded = load_draft(path, target=target)
+    assert {n for n, m in loaded.named_modules() if isinstance(m, NVFP4Linear)} == canon
+    assert not isinstance(loaded.confidence_head.proj, NVFP4Linear)
+    assert loaded.lm_head is not target.lm_head   # the quantized lm_head is the draft's own, not swapped out
+    assert loaded.embed_tokens is target.model.embed_tokens
+    dense = _dense_twin(draft, loaded, canon)
+    inputs = _inputs(cfg, seed=1)
+    _assert_close(_draft_outputs(loaded, *inputs), _draft_outputs(dense, *inputs))
+    if fmt == "deepspec":
+        assert names == canon
+
+
+def test_stacked_nvfp4_projections_split_by_rows(target, tmp_path):
+    """vLLM names with qkv_proj / gate_up_proj stacked in NVFP4: rows split, one weight_scale_2 per part."""
+    from safetensors.torch import load_file, save_file
+
+    from dspark_serve.kernels import nvfp4
+    cfg, draft, path, _ = _quantized(target, tmp_path, "deepspec", seed=2)
+    state = load_file(path / "model.safetensors")
+    stacked = {}
+    for key, t in state.items():
+        stacked["lm_head." + key[8:] if key.startswith("lm_head.") else "model." + key] = t
+    for i in range(2):
+        for stem, parts, fused in ((f"layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                                   (f"layers.{i}.mlp.", ("gate_proj", "up_proj"), "gate_up_proj")):
+            w = torch.cat([nvfp4.dequantize(*(state[f"{stem}{p}.{s}"] for s in
+                                              ("weight", "weight_scale", "weight_scale_2"))) for p in parts])
+            packed, scale, scale_2 = nvfp4.quantize(w)
+            for p in parts:
+                for s in ("weight", "weight_scale", "weight_scale_2"):
+                    del stacked[f"model.{stem}{p}.{s}"]
+            stacked.update({f"model.{stem}{fused}.weight": packed, f"model.{stem}{fused}.weight_scale": scale,
+                            f"model.{stem}{fused}.weight_scale_2": scale_2,
+                            f"model.{stem}{fused}.input_scale": torch.tensor(1.0)})
+    save_file(stacked, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    layers = config["quantization_config"]["quantized_layers"]
+    entry = layers["fc"]
+    for name in [n for n in layers if n.startswith("layers.")]:
+        del layers[name]
+    for i in range(2):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            layers[f"model.layers.{i}.{name}"] = entry
+    (path / "config.json").write_text(json.dumps(config))
+    loaded = load_draft(path, target=target)
+    for i in range(2):
+        for p in ("q", "k", "v"):
+            assert isinstance(loaded.layers[i].self_attn.get_submodule(f"{p}_proj"), NVFP4Linear)
+    names = [n for n, m in loaded.named_modules() if isinstance(m, NVFP4Linear)]
+    dense = _dense_twin(draft, loaded, names)
+    inputs = _inputs(cfg, seed=3)
+    _assert_close(_draft_outputs(loaded, *inputs), _draft_outputs(dense, *inputs))
+
+
+def test_engine_topk_gathered_path_with_nvfp4_draft(target, tmp_path):
+    cfg, draft, path, names = _quantized(target, tmp_path, seed=4)
+    loaded = load_draft(path, target=target)
+    dense = _dense_twin(draft, loaded, names)
+    assert isinstance(loaded.markov_head.markov_w2, NVFP4Linear)
+    llms = [LLM(target, m, {"dspark_draft_topk": 8}, device="cpu", block_size=8, num_kv_blocks=128)
+            for m in (loaded, dense)]
+    # The gathered NVFP4 bias equals the dense top-k bias of the dequantized twin.
+    side, dense_side = llms[0].draft, llms[1].draft
+    g = torch.Generator().manual_seed(5)
+    base, embed = torch.randn(3, VOCAB, generator=g), torch.randn(3, RANK, generator=g)
+    torch.testing.assert_close(side._biased_logits(base, embed), dense_side._biased_logits(base, embed),
+                               rtol=1e-5, atol=1e-5)
+    prompts = [[1, 2, 3, 4], [10, 20, 30, 40, 50], [7] * 9]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = [llm.generate(prompts, params) for llm in llms]
+    for prompt, a, b in zip(prompts, *outs):
+        assert a.token_ids == greedy_generate(target, prompt, 12), prompt
+        assert a.token_ids == b.token_ids and a.stats["accepted"] == b.stats["accepted"], prompt
+
+
+def test_quantization_config_naming_a_missing_layer(target, tmp_path):
+    _, _, path, _ = _quantized(target, tmp_path, seed=6)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["quantized_layers"]["layers.0.mlp.nope_proj"] = {"quant_algo": "W4A16_NVFP4",
+                                                                                   "group_size": 16}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.nope_proj"):
+        load_draft(path, target=target)
+
+
+def test_nvfp4_errors_name_the_problem(target, tmp_path):
+    _, _, path, _ = _quantized(target, tmp_path, seed=7)
+    config = json.loads((path / "config.json").read_text())
+    bad = json.loads(json.dumps(config))
+    bad["quantization_config"]["quantized_layers"]["fc"]["group_size"] = 32
+    (path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match="group_size must be 16, got 32"):
+        load_draft(path, target=target)
+    bad = json.loads(json.dumps(config))
+    bad["quantization_config"]["quantized_layers"]["norm"] = {"quant_algo": "W4A16_NVFP4"}
+    (path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match="'norm'.*RMSNorm"):
+        load_draft(path, target=target)
+    bad = json.loads(json.dumps(config))   # a Linear that is listed but has no NVFP4 tensors in the file
+    del bad["quantization_config"]["quantized_layers"]["fc"]
+    (path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match="fc"):
+        load_draft(path, target=target)
