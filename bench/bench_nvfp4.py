@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from dspark_serve.kernels import gathered_bias as gb
 from dspark_serve.kernels import nvfp4
-from dspark_serve.kernels.w4a16_gemm import GemmConfig, default_config, w4a16_gemm
+from dspark_serve.kernels.w4a16_gemm import GemmConfig, default_config, w4a16_gemm, w4a16_gemm_ref
+from dspark_serve.kernels.w4a16_gemv import GemvConfig, default_gemv_config, w4a16_gemv
 
 SHAPES = {"fc": (4096, 20480), "q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -118,14 +119,72 @@ def bench_markov(copy_gbs: float) -> list[dict]:
     return rows
 
 
+def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool) -> list[dict]:
+    """w4a16_gemv at M in (1, 7, 16): check vs w4a16_gemm_ref, then time vs bf16 F.linear."""
+    base = nvfp4.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    w_bytes = base[0].numel() + base[1].numel() + 4
+    copies = [tuple(t.clone() for t in base) for _ in range(max(1, min(64, ROTATE_BYTES // w_bytes)))]
+    dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+             for _ in range(max(1, min(32, ROTATE_BYTES // (2 * n * k))))]
+    rows = []
+    for m in (1, 7, 16):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = w4a16_gemm_ref(x, *base)
+        got = w4a16_gemv(x, *base)
+        ulp_ok = bool(((got.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7
+                           + 1e-3 * ref.float().abs().max()).all())   # 1 bf16 ulp, order-of-sum slack
+        rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+        q_bytes = w_bytes + 2 * m * k + 2 * m * n             # packed + scales + activation + output
+        bf16_us = graph_time_us([lambda w=w: F.linear(x, w) for w in dense])
+        configs = [default_gemv_config(m, n, k)]
+        if sweep:
+            if m == 1:
+                configs += [GemvConfig(bn, bk, s, False, num_warps=nw, join=j)
+                            for bn, bk, nw, j in ((8, 512, 2, True), (8, 1024, 2, True), (16, 512, 4, True),
+                                                  (4, 1024, 1, True), (16, 1024, 4, True))
+                            for s in (1, 4)]
+            configs += [GemvConfig(bn, bk, s, True, num_warps=nw)
+                        for bn, bk, nw in ((64, 512, 4), (128, 256, 4), (128, 256, 8), (64, 256, 8))
+                        for s in (1, 4)]
+        results = []
+        for cfg in dict.fromkeys(configs):
+            try:
+                us = graph_time_us([lambda c=c, cfg=cfg: w4a16_gemv(x, *c, config=cfg) for c in copies])
+            except Exception as exc:
+                print(f"skip {cfg}: {type(exc).__name__} {exc}"[:300])
+                continue
+            results.append((us, cfg))
+        us = results[0][0]
+        us_best, cfg_best = min(results, key=lambda r: r[0])
+        gbs = q_bytes / us / 1e3
+        rows.append({"shape": name, "N": n, "K": k, "M": m, "nvfp4_bytes": q_bytes, "us": us, "GBps": gbs,
+                     "pct_copy": 100 * gbs / copy_gbs, "bf16_us": bf16_us, "speedup_vs_bf16": bf16_us / us,
+                     "best_us": us_best, "best_config": cfg_best.__dict__, "config": results[0][1].__dict__,
+                     "check_within_1ulp": ulp_ok, "rel_err_vs_ref": rel})
+        print(f"{name:8s} [{n}, {k}] M={m:3d} ok={ulp_ok} rel={rel:.1e} {us:8.2f} us {gbs:7.0f} GB/s "
+              f"{100 * gbs / copy_gbs:5.1f}% bf16 {bf16_us:8.2f} us x{bf16_us / us:4.2f}  best {us_best:8.2f} "
+              f"({q_bytes / us_best / 1e3:5.0f} GB/s) {cfg_best}", flush=True)
+    del copies, dense
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true", help="also time a grid of GEMM configs per (shape, M)")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--out", default="bench_nvfp4.json")
+    p.add_argument("--gemv", action="store_true", help="only the M <= 16 GEMV path (w4a16_gemv), M in 1, 7, 16")
     args = p.parse_args()
     copy_gbs = copy_bandwidth_gbs()
-    print(f"{torch.cuda.get_device_name()}  device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
+    print(f"{torch.cuda.get_device_name()}  device-to-device copy {copy_gbs:.0f} GB/s (read + write bytes)", flush=True)
+    if args.gemv:
+        rows = [r for s in args.shapes for r in bench_gemv(s, *SHAPES[s], copy_gbs, args.sweep)]
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbs, "copy_convention":
+                       "2 * bytes / time (read + write), 1 GiB uint8 copy_", "gemv": rows,
+                       "torch": torch.__version__}, f, indent=1)
+        return
     rows = [r for s in args.shapes for r in bench_gemm(s, *SHAPES[s], copy_gbs, args.sweep)]
     markov = bench_markov(copy_gbs)
     with open(args.out, "w") as f:

@@ -1,0 +1,185 @@
+"""W4A16 GEMV for decode shapes (M <= 16): bf16 x [M, K] @ NVFP4 weight [N, K]^T -> bf16 [M, N].
+
+Memory-bound design: each program owns BLOCK_N weight rows and walks K in BLOCK_K steps, loading the packed bytes
+as [BLOCK_N, BLOCK_K/2] tiles contiguous along K and the fp8 scales once per 16 elements. E2M1 is decoded with
+integer ops into fp32 bits (no table, no cvt). Two reductions:
+
+* M == 1 (``use_dot=False``): the unscaled codes times x are summed per 16-group (tl.sum), the group sums are then
+  scaled by the fp8 scale, so the scale costs one multiply per 16 weights.
+* 1 < M <= 16 (``use_dot=True``): swapped operands, out^T [BLOCK_N, 16] += W_tile [BLOCK_N, BK/2] @ x^T [BK/2, 16]
+  on tensor cores (x rows padded to 16 by masking); the decoded weight (code * fp8 scale, <= 6 significant bits) is
+  exact in bf16. Under the CPU interpreter the dot runs in fp32 (its bf16 dot is wrong there).
+
+Even and odd K columns are handled separately (low / high nibble), so the packed bytes are never interleaved.
+weight_scale_2 is applied once at the end. Split-K (fp32 atomics + cast) only when there are too few N tiles.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .nvfp4 import fp8e4m3_to_f32
+from .nvfp4_ref import check_packed
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int
+    block_k: int          # logical K per step; a multiple of 32
+    split_k: int = 1
+    use_dot: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+    join: bool = True     # M == 1 path: x loaded contiguous, codes interleaved with tl.join (else [BN, G, 8] tiles)
+
+
+def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
+    """From an H200 sweep (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md 2026-11-30): M == 1 takes the
+    tl.join path with [8, 1024] tiles and 2 warps; M > 1 the tensor-core path with [64, 256] tiles. Split-K only
+    while the N tiles alone give too few programs."""
+    if m == 1:
+        block_n, block_k, warps = 8, 1024, 2
+        split = 4 if triton.cdiv(n, block_n) < 1024 else 1
+        return GemvConfig(block_n, block_k, max(1, min(split, triton.cdiv(k, block_k))), False, warps, 3, join=True)
+    block_n, block_k = 64, 256
+    tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    split = 1
+    while tiles * split < 240 and split * 2 <= steps:
+        split *= 2
+    return GemvConfig(block_n, block_k, split, True, num_warps=4, num_stages=3, join=False)
+
+
+@triton.jit
+def e2m1_value(code):
+    """4-bit E2M1 codes (int32) -> exact fp32 values with integer ops; only the low 4 bits of `code` are read.
+
+    (mag << 22) + (126 << 23) puts E under fp32's exponent (bias 127 - 1) and M under its top mantissa bit: exact for
+    E > 0; for E == 0 it reads 0.5 + M / 4, mapped to M / 2 by 2 f - 1.
+    """
+    mag = code & 7
+    f = ((mag << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    f = tl.where(mag < 2, 2.0 * f - 1.0, f)
+    return (f.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_2_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+                       K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, JOIN: tl.constexpr):
+    HALF: tl.constexpr = BLOCK_K // 2
+    G: tl.constexpr = BLOCK_K // 16
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    if USE_DOT:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]                # [BN, 1]
+        pair = tl.arange(0, HALF)[None, :]                                     # [1, BK/2]
+        grp = tl.arange(0, G)[None, :]                                         # [1, G]
+        pair_t = tl.arange(0, HALF)[:, None]                                   # [BK/2, 1]
+        ms = tl.arange(0, 16)[None, :]                                         # [1, 16]
+        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kmask = k0 + 2 * pair < k_hi
+            b = tl.load(packed_ptr + rows * (K // 2) + k0 // 2 + pair, mask=(rows < N) & kmask, other=0)
+            b = b.to(tl.int32)                                                 # [BN, BK/2]
+            s = fp8e4m3_to_f32(tl.load(scale_ptr + rows * (K // 16) + k0 // 16 + grp,
+                                       mask=(rows < N) & (k0 + 16 * grp < k_hi), other=0))   # [BN, G]
+            w_lo = tl.reshape(tl.reshape(e2m1_value(b), (BLOCK_N, G, 8)) * s[:, :, None], (BLOCK_N, HALF))
+            w_hi = tl.reshape(tl.reshape(e2m1_value(b >> 4), (BLOCK_N, G, 8)) * s[:, :, None], (BLOCK_N, HALF))
+            xmask = (ms < M) & (k0 + 2 * pair_t < k_hi)
+            x_even = tl.load(x_ptr + ms * stride_xm + k0 + 2 * pair_t, mask=xmask, other=0.0)       # [BK/2, 16]
+            x_odd = tl.load(x_ptr + ms * stride_xm + k0 + 2 * pair_t + 1, mask=xmask, other=0.0)
+            if DOT_F32:
+                acc += tl.dot(w_lo, x_even.to(tl.float32))
+                acc += tl.dot(w_hi, x_odd.to(tl.float32))
+            else:
+                acc += tl.dot(w_lo.to(tl.bfloat16), x_even.to(tl.bfloat16))
+                acc += tl.dot(w_hi.to(tl.bfloat16), x_odd.to(tl.bfloat16))
+        acc *= tl.load(scale_2_ptr)
+        omask = (rows < N) & (ms < M)
+        optr = out_ptr + ms * stride_om + rows                                 # out[m, n] = acc[n, m]
+        if SPLIT_K == 1:
+            tl.store(optr, acc.to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            tl.atomic_add(optr, acc, mask=omask)
+    elif JOIN:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]                # [BN, 1]
+        pair = tl.arange(0, HALF)[None, :]                                     # [1, BK/2]
+        kk = tl.arange(0, BLOCK_K)[None, :]                                    # [1, BK]
+        grp = tl.arange(0, G)[None, :]                                         # [1, G]
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            b = tl.load(packed_ptr + rows * (K // 2) + k0 // 2 + pair, mask=(rows < N) & (k0 + 2 * pair < k_hi),
+                        other=0).to(tl.int32)                                  # [BN, BK/2]
+            w = tl.reshape(tl.join(e2m1_value(b), e2m1_value(b >> 4)), (BLOCK_N, BLOCK_K))   # k = 2 * pair + hi
+            xv = tl.load(x_ptr + k0 + kk, mask=k0 + kk < k_hi, other=0.0).to(tl.float32)     # [1, BK] contiguous
+            t = tl.sum(tl.reshape(w * xv, (BLOCK_N, G, 16)), axis=2)                          # [BN, G]
+            s = fp8e4m3_to_f32(tl.load(scale_ptr + rows * (K // 16) + k0 // 16 + grp,
+                                       mask=(rows < N) & (k0 + 16 * grp < k_hi), other=0))    # [BN, G]
+            acc += tl.sum(t * s, axis=1)
+        acc *= tl.load(scale_2_ptr)
+        n1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + n1, acc.to(out_ptr.dtype.element_ty), mask=n1 < N)
+        else:
+            tl.atomic_add(out_ptr + n1, acc, mask=n1 < N)
+    else:
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]          # [BN, 1, 1]
+        grp = tl.arange(0, G)[None, :, None]                                   # [1, G, 1]
+        j = tl.arange(0, 8)[None, None, :]                                     # [1, 1, 8]
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            gmask = k0 + 16 * grp < k_hi                                       # [1, G, 1]
+            b = tl.load(packed_ptr + rows * (K // 2) + k0 // 2 + grp * 8 + j, mask=(rows < N) & gmask, other=0)
+            b = b.to(tl.int32)                                                 # [BN, G, 8]
+            xo = k0 + 16 * grp + 2 * j
+            x_even = tl.load(x_ptr + xo, mask=gmask, other=0.0).to(tl.float32)                     # [1, G, 8]
+            x_odd = tl.load(x_ptr + xo + 1, mask=gmask, other=0.0).to(tl.float32)
+            t = tl.sum(e2m1_value(b) * x_even + e2m1_value(b >> 4) * x_odd, axis=2)                # [BN, G]
+            s = fp8e4m3_to_f32(tl.load(scale_ptr + rows * (K // 16) + k0 // 16 + grp,
+                                       mask=(rows < N) & gmask, other=0))                          # [BN, G, 1]
+            acc += tl.sum(t * tl.reshape(s, (BLOCK_N, G)), axis=1)
+        acc *= tl.load(scale_2_ptr)
+        n1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + n1, acc.to(out_ptr.dtype.element_ty), mask=n1 < N)
+        else:
+            tl.atomic_add(out_ptr + n1, acc, mask=n1 < N)
+
+
+def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor,
+               config: GemvConfig | None = None) -> Tensor:
+    """x [M, K] (M <= 16) @ dequant(packed [N, K/2], weight_scale [N, K/16], weight_scale_2).T -> [M, N] bf16.
+
+    Same semantics as `w4a16_gemm_ref`; a CPU tensor needs TRITON_INTERPRET=1.
+    """
+    n, k = check_packed(packed, weight_scale, weight_scale_2)
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be a float [M, {k}] tensor, got {x.dtype} {tuple(x.shape)}")
+    m = x.shape[0]
+    if m > 16:
+        raise ValueError(f"w4a16_gemv handles M <= 16, got M = {m}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or default_gemv_config(m, n, k)
+    if cfg.block_k % 32 or (cfg.use_dot and cfg.block_n < 16):
+        raise ValueError(f"bad GemvConfig {cfg}")
+    use_dot = cfg.use_dot or m > 1
+    dot_f32 = not x.is_cuda or x.dtype == torch.float32
+    if x.dtype == torch.float16 and use_dot and not dot_f32:
+        x = x.to(torch.bfloat16)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split) if k else 1
+    out = (torch.zeros if split > 1 else torch.empty)(m, n, device=x.device,
+                                                       dtype=torch.float32 if split > 1 else torch.bfloat16)
+    if m == 0 or n == 0:
+        return out.to(torch.bfloat16)
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    _w4a16_gemv_kernel[grid](x, packed, weight_scale.view(torch.uint8), weight_scale_2.float().reshape(1), out,
+                             m, n, k, x.stride(0), out.stride(0), k_per_split,
+                             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot,
+                             DOT_F32=dot_f32, JOIN=cfg.join, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.to(torch.bfloat16) if split > 1 else out
