@@ -16,6 +16,36 @@ from .spec_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
+class DraftInput:
+    """Everything the draft needs for one step; it is also what crosses the step channel to a remote draft."""
+
+    anchors: Tensor  # [R] int64, the last committed token of each request
+    anchor_pos: Tensor  # [R] int64, its position (the block occupies anchor_pos .. anchor_pos + query_len - 1)
+    ctx_start: Tensor  # [R] int64, first position whose context K/V the draft has not written yet
+    ctx_len: Tensor  # [R] int64, new context rows per request
+    features: Tensor | None  # [sum(ctx_len), len(target_layer_ids) * target_hidden] target features
+    block_table: Tensor  # [R, max_blocks] int64, the draft cache blocks of each request
+    temperature: Tensor  # [R] fp32 (0 = greedy)
+    seeds: Tensor  # [R] int64
+
+
+def draft_input(reqs: list[Request], temperature: Tensor, seeds: Tensor) -> DraftInput:
+    """Collect the step's draft input and mark the pending features as handed over."""
+    width = max(len(r.draft_blocks) for r in reqs)
+    feats = [f for r in reqs for f in r.pending_features]
+    inp = DraftInput(
+        anchors=torch.tensor([r.anchor for r in reqs]), anchor_pos=torch.tensor([r.anchor_pos for r in reqs]),
+        ctx_start=torch.tensor([r.draft_context_len for r in reqs]),
+        ctx_len=torch.tensor([r.num_computed - r.draft_context_len for r in reqs]),
+        features=torch.cat(feats) if feats else None,
+        block_table=torch.tensor([r.draft_blocks + [0] * (width - len(r.draft_blocks)) for r in reqs]),
+        temperature=temperature.cpu(), seeds=seeds.cpu())
+    for r in reqs:
+        r.draft_context_len, r.pending_features = r.num_computed, []
+    return inp
+
+
+@dataclass(frozen=True)
 class DraftProposal:
     tokens: Tensor  # [R, N] int64, target-vocab ids
     probs: Tensor | None  # [R, N, V_target] q each token was drawn from (None when every row is greedy)
@@ -41,36 +71,29 @@ class DraftSide:
         return self.model.config.query_len
 
     @torch.inference_mode()
-    def write_context(self, reqs: list[Request]) -> None:
-        """Context K/V for every committed position the draft has not seen; positions [draft_context_len, num_computed)."""
-        todo = [r for r in reqs if r.pending_features]
-        if not todo:
-            return
-        starts = [r.draft_context_len for r in todo]
-        lens = [r.num_computed - r.draft_context_len for r in todo]
-        meta = batch_metadata([r.draft_blocks for r in todo], starts, lens, self.block_size, self.device)
-        feats = torch.cat([f for r in todo for f in r.pending_features]).to(self.device)  # [T, ctx_dim]
-        self.model.write_context(feats, positions_of(starts, lens, self.device), meta.slot_mapping, self.cache)
-        for r in todo:
-            r.draft_context_len, r.pending_features = r.num_computed, []
-
-    @torch.inference_mode()
-    def propose(self, reqs: list[Request], temperature: Tensor, seeds: Tensor) -> DraftProposal:
-        """temperature, seeds [R]; rows with temperature 0 draft by argmax."""
-        self.write_context(reqs)
-        m, cfg, n = self.model, self.model.config, self.num_speculative_tokens
-        q_len = self.query_len
-        starts = [r.anchor_pos for r in reqs]
-        ids = torch.tensor([[r.anchor] + [cfg.mask_token_id] * (q_len - 1) for r in reqs], device=self.device)
-        meta = batch_metadata([r.draft_blocks for r in reqs], starts, [q_len] * len(reqs), self.block_size,
-                              self.device, causal=False)
-        hidden = m.block_hidden(ids.flatten(), positions_of(starts, [q_len] * len(reqs), self.device), meta,
-                                self.cache).view(len(reqs), q_len, -1)
+    def propose(self, inp: DraftInput) -> DraftProposal:
+        """Write the new context K/V, run the block, walk the Markov head; rows with temperature 0 draft by argmax."""
+        m, cfg, n, dev = self.model, self.model.config, self.num_speculative_tokens, self.device
+        tables = inp.block_table.tolist()
+        starts, lens = inp.ctx_start.tolist(), inp.ctx_len.tolist()
+        todo = [i for i, k in enumerate(lens) if k > 0]
+        if todo:
+            meta = batch_metadata([tables[i] for i in todo], [starts[i] for i in todo], [lens[i] for i in todo],
+                                  self.block_size, dev)
+            pos = positions_of([starts[i] for i in todo], [lens[i] for i in todo], dev)
+            m.write_context(inp.features.to(dev), pos, meta.slot_mapping, self.cache)
+        q_len, num_reqs = self.query_len, len(tables)
+        anchor_pos = inp.anchor_pos.tolist()
+        ids = torch.full((num_reqs, q_len), cfg.mask_token_id, dtype=torch.int64, device=dev)
+        ids[:, 0] = inp.anchors.to(dev)
+        meta = batch_metadata(tables, anchor_pos, [q_len] * num_reqs, self.block_size, dev, causal=False)
+        hidden = m.block_hidden(ids.flatten(), positions_of(anchor_pos, [q_len] * num_reqs, dev), meta,
+                                self.cache).view(num_reqs, q_len, -1)
         first = 0 if cfg.anchor_first else 1
         hidden = hidden[:, first:first + n]  # [R, N, H]: row k drafts position anchor_pos + 1 + k
         base = m.base_logits(hidden)  # [R, N, V_draft]
-        return self._markov_walk(hidden, base, ids[:, 0], temperature, seeds,
-                                 torch.tensor(starts, device=self.device))
+        return self._markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
+                                 inp.anchor_pos.to(dev))
 
     def _markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
                      anchor_pos: Tensor) -> DraftProposal:

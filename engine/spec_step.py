@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .draft_side import DraftProposal, DraftSide
+from .draft_side import DraftProposal, DraftSide, draft_input
 from .rejection import verify_mixed
 from .request import Request
 from .spec_config import SpeculativeConfig
@@ -72,7 +72,7 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     t0 = time.perf_counter()
     proposal = None
     if draft is not None and any(want):
-        proposal = draft.propose(reqs, params["temperature"].to(draft.device), params["seeds"].to(draft.device))
+        proposal = draft.propose(draft_input(reqs, params["temperature"], params["seeds"]))
     t1 = time.perf_counter()
     n = num_to_verify(reqs, proposal, spec, max_drafts) if proposal is not None else [0] * len(reqs)
     drafts = proposal.tokens.to(dev) if proposal is not None else torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
