@@ -36,8 +36,34 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .config import GatewayConfig, PairConfig
+    from .service import run
+
+    pair = PairConfig(target=args.target, draft=args.draft, speculative_config=args.speculative_config,
+                      device=args.device or "auto", dtype=args.dtype, block_size=args.block_size,
+                      num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                      max_model_len=args.max_model_len, placement=args.placement, channel_host=args.channel_host)
+    gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
+                            drain_timeout_s=args.drain_timeout)
+    try:
+        pair.validate()
+        if args.speculative_config:
+            from dspark_serve.engine.spec_config import SpeculativeConfig
+
+            SpeculativeConfig.from_json(args.speculative_config)
+    except ValueError as e:
+        raise SystemExit(f"dspark-serve serve: error: {e}") from None
+    return run(pair, gateway, args.address, args.num_cpus)
+
+
 def _generate(args: argparse.Namespace) -> int:
     import json
+
+    if args.server:
+        return _generate_remote(args)
+    if not args.target:
+        raise SystemExit("dspark-serve generate: error: give --target DIR (in-process) or --server HOST:PORT")
 
     from dspark_serve.engine.llm import LLM
     from dspark_serve.engine.sampling_params import SamplingParams
@@ -65,6 +91,46 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace) -> int:
+    import json
+
+    import grpc
+
+    from .client import DSparkClient
+
+    try:
+        prompt = _prompt(args)
+    except ValueError as e:
+        raise SystemExit(f"dspark-serve generate: error: {e}") from None
+    client = DSparkClient(args.server)
+    spec = json.loads(args.speculative_config) if args.speculative_config else {}
+    kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+              max_tokens=args.max_tokens, ignore_eos=args.ignore_eos or None,
+              num_speculative_tokens=spec.get("num_speculative_tokens"),
+              confidence_threshold=spec.get("dspark_confidence_threshold"))
+    try:
+        if args.stream and not args.json:
+            for msg in client.stream(prompt, **kw):
+                if msg.HasField("chunk"):
+                    print(msg.chunk.text or " ".join(map(str, msg.chunk.token_ids)), end="", flush=True)
+            print()
+            return 0
+        out = client.generate(prompt, **kw)
+    except grpc.RpcError as e:
+        raise SystemExit(f"dspark-serve generate: error: {e.code().name}: {e.details()}") from None
+    finally:
+        client.close()
+    out.pop("request_id", None)
+    print(json.dumps(out) if args.json else (out["text"] or out["token_ids"]))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .loadgen import main as loadgen
+
+    return loadgen(args)
+
+
 def _prompt(args: argparse.Namespace) -> str | list[int]:
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of --prompt or --prompt-ids")
@@ -90,7 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
     g = sub.add_parser("generate", help="generate in-process (no server); without --draft it decodes plainly")
-    g.add_argument("--target", required=True, help="target checkpoint directory (HF format)")
+    g.add_argument("--target", help="target checkpoint directory (HF format), for in-process generation")
+    g.add_argument("--server", help="HOST:PORT of a running dspark-serve (then --target/--draft are not used)")
+    g.add_argument("--stream", action="store_true", help="print each verify step's text as it arrives")
     g.add_argument("--draft", help="draft checkpoint directory (DeepSpec, z-lab DFlash, speculators or vLLM names)")
     g.add_argument("--prompt")
     g.add_argument("--prompt-ids", help="comma-separated token ids")
@@ -104,6 +172,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="start the draft+verifier pair on Ray and the gRPC gateway")
+    s.add_argument("--target", required=True)
+    s.add_argument("--draft")
+    s.add_argument("--speculative-config")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    s.add_argument("--address", help="join this Ray cluster (default: start Ray embedded)")
+    s.add_argument("--num-cpus", type=int, help="CPUs of the embedded Ray")
+    s.add_argument("--device", choices=["auto", "cpu", "cuda"], help="auto: one GPU per actor when there are GPUs")
+    s.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
+    s.add_argument("--placement", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+    s.add_argument("--channel-host", help="address the step channel binds (default: the verifier's node IP)")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-kv-blocks", type=int, default=2048)
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-model-len", type=int, default=4096)
+    s.add_argument("--max-queue", type=int, default=256)
+    s.add_argument("--drain-timeout", type=float, default=30.0)
+    s.set_defaults(func=_serve)
+    b = sub.add_parser("bench", help="load generator against a running server: tokens/s, TTFT, TPOT, tau")
+    b.add_argument("--server", required=True)
+    b.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    b.add_argument("--num-requests", type=int, default=16)
+    b.add_argument("--prompt-file", help="one prompt per line (text), or comma-separated token ids per line")
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--json", help="write the results here")
+    b.set_defaults(func=_bench)
     q = sub.add_parser("quantize", help="write an NVFP4 (ModelOpt) draft checkpoint from a bf16 one", add_help=False)
     q.add_argument("rest", nargs=argparse.REMAINDER)
     q.set_defaults(func=_quantize)

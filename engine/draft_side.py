@@ -50,6 +50,7 @@ class DraftProposal:
     tokens: Tensor  # [R, N] int64, target-vocab ids
     probs: Tensor | None  # [R, N, V_target] q each token was drawn from (None when every row is greedy)
     confidence_logits: Tensor | None  # [R, N] fp32, conditional acceptance logits (None without the head)
+    transfer_ms: float = 0.0  # step-channel time of a remote draft (wall time minus the draft's compute)
 
 
 class DraftSide:

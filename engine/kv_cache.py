@@ -10,7 +10,7 @@ from dspark_serve.kernels.attention import AttentionMetadata
 
 
 class BlockAllocator:
-    """Fixed pool of cache blocks; rollback is by sequence length, so blocks move only on admit and finish."""
+    """Fixed pool of cache blocks; rollback is by sequence length, so blocks only move on growth and release."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -27,7 +27,9 @@ class BlockAllocator:
         return self.blocks_for(num_tokens) <= len(self._free)
 
     def allocate(self, num_tokens: int) -> list[int]:
-        n = self.blocks_for(num_tokens)
+        return self.allocate_blocks(self.blocks_for(num_tokens))
+
+    def allocate_blocks(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"need {n} KV blocks, {len(self._free)} free")
         return [self._free.popleft() for _ in range(n)]

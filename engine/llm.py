@@ -15,7 +15,8 @@ from dspark_serve.models.draft_loader import load_draft
 from dspark_serve.models.dspark import DSparkDraft
 from dspark_serve.models.qwen import QwenForCausalLM
 from dspark_serve.models.target_loader import load_target
-from dspark_serve.models.tokenizer import eos_token_ids, load_tokenizer
+from dspark_serve.models.tokenizer import eos_token_ids as read_eos_token_ids
+from dspark_serve.models.tokenizer import load_tokenizer
 
 from .draft_side import DraftSide
 from .request import Request, RequestOutput
@@ -30,7 +31,9 @@ class LLM:
                  speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None, *,
                  dtype: torch.dtype | None = None, device: str | None = None, block_size: int = 16,
                  num_kv_blocks: int = 2048, max_num_seqs: int = 64, max_model_len: int = 4096,
-                 eos_token_ids: Sequence[int] | None = None) -> None:
+                 eos_token_ids: Sequence[int] | None = None, draft_side: Any = None,
+                 capture_layers: tuple[int, ...] = ()) -> None:
+        """`draft_side` (with `capture_layers`) plugs in a draft living elsewhere, e.g. behind the step channel."""
         spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) else \
             SpeculativeConfig.from_json(speculative_config)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,16 +45,16 @@ class LLM:
             target_model = load_target(target, dtype=dtype, device=device)
             if (Path(target) / "tokenizer.json").is_file() or (Path(target) / "vocab.json").is_file():
                 self.tokenizer = load_tokenizer(target)
-            eos_token_ids = eos_token_ids if eos_token_ids is not None else globals()["eos_token_ids"](target)
+            eos_token_ids = eos_token_ids if eos_token_ids is not None else read_eos_token_ids(target)
         draft_model = None
         if draft is not None:
             draft_model = draft if isinstance(draft, DSparkDraft) else load_draft(draft, target=target_model,
                                                                                   dtype=dtype)
             draft_model = draft_model.to(device)
-        capture = draft_model.config.target_layer_ids if draft_model is not None else ()
+        capture = draft_model.config.target_layer_ids if draft_model is not None else capture_layers
         self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture)
         self.draft = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size) \
-            if draft_model is not None else None
+            if draft_model is not None else draft_side
         self.spec, self.max_model_len = spec, max_model_len
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         self.scheduler = Scheduler(self.target, self.draft, spec, max_num_seqs=max_num_seqs,
@@ -71,7 +74,8 @@ class LLM:
         return list(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, num_speculative_tokens: int | None = None) -> str:
+                    request_id: str | None = None, num_speculative_tokens: int | None = None,
+                    confidence_threshold: float | None = None) -> str:
         params = params or SamplingParams()
         params.validate(max_tokens_limit=self.max_model_len)
         ids = self.encode(prompt)
@@ -86,12 +90,15 @@ class LLM:
         n = self.max_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         if not 0 <= n <= self.max_speculative_tokens:
             raise ValueError(f"num_speculative_tokens must be in [0, {self.max_speculative_tokens}], got {n}")
+        if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         rid = request_id or f"req-{next(self._ids)}"
-        self.scheduler.add(Request(rid, ids, params, seed, n))
+        self.scheduler.add(Request(rid, ids, params, seed, n, confidence_threshold=confidence_threshold))
         return rid
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """The request's final output (finish_reason "abort"), or None when it is not queued or running."""
         return self.scheduler.abort(request_id)
 
     def step(self) -> list[RequestOutput]:

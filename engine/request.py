@@ -25,6 +25,7 @@ class RequestStats:
     per_position_accepted: list[int] = field(default_factory=list)  # [num_speculative_tokens]
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    transfer_ms: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -35,7 +36,8 @@ class RequestStats:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
                 "accepted_per_step": list(self.accepted_per_step), "tau": self.tau,
                 "per_position_accepted": list(self.per_position_accepted),
-                "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3)}
+                "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3),
+                "transfer_ms": round(self.transfer_ms, 3)}
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Request:
     params: SamplingParams
     seed: int
     num_speculative_tokens: int  # this request's cap (0 = plain decoding)
+    confidence_threshold: float | None = None  # overrides the server's dspark_confidence_threshold
     output_ids: list[int] = field(default_factory=list)
     target_blocks: list[int] = field(default_factory=list)
     draft_blocks: list[int] = field(default_factory=list)

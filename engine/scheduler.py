@@ -1,4 +1,4 @@
-"""Continuous batching: admit by free KV blocks, prefill, run the speculative step, apply stops, free on finish."""
+"""Continuous batching: admit by free KV blocks, grow or preempt per step, prefill, speculate, stop, free."""
 
 from __future__ import annotations
 
@@ -26,18 +26,22 @@ class Scheduler:
         self.max_num_seqs, self.eos_token_ids, self.decode = max_num_seqs, set(eos_token_ids), decode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
         self._lock = threading.RLock()
 
     @property
     def lookahead(self) -> int:
-        return self.draft.num_speculative_tokens if self.draft is not None else 0
+        """Slots past the last committed token one step may write: the verified drafts, or the draft block."""
+        if self.draft is None:
+            return 0
+        return max(self.draft.num_speculative_tokens, self.draft.query_len - 1)
 
-    def reserve_tokens(self, req: Request) -> int:
-        """Blocks are reserved for the whole request at admission, so a running request never waits for memory."""
-        return len(req.prompt_ids) + req.params.max_tokens + self.lookahead + 1
+    def step_tokens(self, req: Request) -> int:
+        """Cache slots the next step writes up to: the anchor plus a full draft block (+1 for a first token)."""
+        return req.num_tokens + self.lookahead + 1 + (0 if req.output_ids else 1)
 
     def add(self, req: Request) -> None:
-        need = self.reserve_tokens(req)
+        need = len(req.prompt_ids) + req.params.max_tokens + self.lookahead + 1  # must fit when alone
         pools = [self.target.allocator] + ([self.draft.allocator] if self.draft is not None else [])
         if any(p.blocks_for(need) > p.num_blocks for p in pools):
             raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) "
@@ -45,18 +49,20 @@ class Scheduler:
         with self._lock:
             self.waiting.append(req)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Free the request's blocks now; returns its final output (finish_reason "abort"), None if unknown."""
         with self._lock:
             for req in list(self.waiting):
                 if req.request_id == request_id:
                     self.waiting.remove(req)
-                    return True
+                    req.finish_reason = FinishReason.ABORT
+                    return self._output(req, [])
             for req in self.running:
                 if req.request_id == request_id:
                     self._finish(req, FinishReason.ABORT)
                     self.running.remove(req)
-                    return True
-        return False
+                    return self._output(req, [])
+        return None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -67,30 +73,66 @@ class Scheduler:
             if new:
                 outputs = self._prefill(new)
             elif self.running:
+                self._make_room()
                 outputs = self._decode(self.running)
             else:
                 return []
             self.running = [r for r in self.running if not r.is_finished]
             return outputs
 
+    def _pools(self) -> list:
+        return [self.target.allocator] + ([self.draft.allocator] if self.draft is not None else [])
+
+    def _grow(self, req: Request) -> bool:
+        """Give the request the blocks of its next step in every pool, or nothing if one pool is short."""
+        need = self.step_tokens(req)
+        extra = [(pool, blocks, pool.blocks_for(need) - len(blocks))
+                 for pool, blocks in zip(self._pools(), (req.target_blocks, req.draft_blocks))]
+        if any(n > pool.num_free for pool, _, n in extra):
+            return False
+        for pool, blocks, n in extra:
+            if n > 0:
+                blocks.extend(pool.allocate_blocks(n))
+        return True
+
     def _admit(self) -> list[Request]:
+        """Admission by free KV blocks: a request enters when its first step fits, and grows step by step."""
         admitted = []
         while self.waiting and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            need = self.reserve_tokens(req)
-            if not self.target.allocator.can_allocate(need) or (
-                    self.draft is not None and not self.draft.allocator.can_allocate(need)):
+            if not self._grow(self.waiting[0]):
                 break
-            self.waiting.popleft()
-            req.target_blocks = self.target.allocator.allocate(need)
-            if self.draft is not None:
-                req.draft_blocks = self.draft.allocator.allocate(need)
+            req = self.waiting.popleft()
             self.running.append(req)
             admitted.append(req)
         return admitted
 
+    def _make_room(self) -> None:
+        """Every running request gets the blocks of its next step; when the pools run out the newest request is
+        preempted: its blocks are freed and it waits at the head of the queue to be recomputed (its tokens stay)."""
+        for req in list(self.running):
+            while req in self.running and not self._grow(req):
+                victim = self.running[-1]
+                self.num_preemptions += 1
+                self._release(victim)
+                self.running.remove(victim)
+                victim.num_computed = victim.draft_context_len = 0
+                victim.pending_features, victim.last_survival = [], None
+                self.waiting.appendleft(victim)
+
     @torch.inference_mode()
     def _prefill(self, reqs: list[Request]) -> list[RequestOutput]:
+        """Prompt (or, after preemption, every committed token but the anchor) through the target."""
+        resumed = [r for r in reqs if r.output_ids]
+        fresh = [r for r in reqs if not r.output_ids]
+        if resumed:
+            _, feats = self.target.run(resumed, [(r.prompt_ids + r.output_ids)[:-1] for r in resumed], last_only=True)
+            for r, f in zip(resumed, feats):
+                r.num_computed = r.num_tokens - 1
+                if f is not None:
+                    r.pending_features.append(f)
+        return self._prefill_fresh(fresh) if fresh else []
+
+    def _prefill_fresh(self, reqs: list[Request]) -> list[RequestOutput]:
         logits, feats = self.target.run(reqs, [r.prompt_ids for r in reqs], last_only=True)
         p = sampling_tensors(reqs, self.target.device)
         positions = torch.tensor([[len(r.prompt_ids)] for r in reqs], device=self.target.device)
@@ -122,6 +164,9 @@ class Scheduler:
                 break
         if self.decode is not None and not req.params.stop:
             req.output_text = self.decode(req.output_ids)
+        return self._output(req, added)
+
+    def _output(self, req: Request, added: list[int]) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), req.output_text, added,
                              req.is_finished, req.finish_reason.value if req.finish_reason else None,
                              req.stats.to_dict())
@@ -143,6 +188,9 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
         self.target.allocator.free(req.target_blocks)
         req.target_blocks = []
         if self.draft is not None:

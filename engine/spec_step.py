@@ -41,8 +41,10 @@ def num_to_verify(reqs: list[Request], proposal: DraftProposal | None, spec: Spe
     if proposal is None or proposal.confidence_logits is None:
         return n
     survival = torch.sigmoid(proposal.confidence_logits).cumprod(-1).cpu()  # [R, N]
-    if spec.dspark_confidence_threshold > 0:
-        confident = (survival >= spec.dspark_confidence_threshold).sum(-1).tolist()
+    thresholds = [spec.dspark_confidence_threshold if r.confidence_threshold is None else r.confidence_threshold
+                  for r in reqs]
+    if any(t > 0 for t in thresholds):
+        confident = (survival >= torch.tensor(thresholds)[:, None]).sum(-1).tolist()
         n = [min(a, b) for a, b in zip(n, confident)]
     if spec.dspark_budget_frac > 0:
         n = [min(a, b) for a, b in zip(n, _budget_capacity(reqs, spec.dspark_budget_frac, max_drafts))]
@@ -91,6 +93,7 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     for r, a, k, f, toks in zip(reqs, accepted, n, feats, out_tokens):
         _commit_cache(r, a, f)
         _record(r, a, k, (t1 - t0) * 1e3, (t2 - t1) * 1e3, max_drafts)
+        r.stats.transfer_ms += proposal.transfer_ms if proposal is not None else 0.0
         new_tokens.append(toks[:a + 1])
     return StepResult(new_tokens, accepted, n)
 

@@ -106,3 +106,18 @@ def test_bad_requests_are_rejected_with_the_field_named(pair, prompt, params, kw
         llm.add_request(prompt, params, **kw)
     assert message in str(e.value)
     assert not llm.has_unfinished()
+
+
+def test_preemption_under_a_small_cache_keeps_outputs_exact(pair):
+    """24 blocks of 8 tokens cannot hold six 40-token requests at once: some are preempted and recomputed."""
+    prompts = [[i + 1, i + 2, i + 3] for i in range(6)]
+    refs = [greedy_generate(pair[0], p, 40) for p in prompts]
+    llm = LLM(pair[0], pair[1], device="cpu", block_size=8, num_kv_blocks=24)
+    for p in prompts:
+        llm.add_request(p, SamplingParams(temperature=0, max_tokens=40))
+    finals = {}
+    while llm.has_unfinished():
+        finals.update({o.request_id: o for o in llm.step() if o.finished})
+    assert llm.scheduler.num_preemptions > 0
+    assert [finals[f"req-{i}"].token_ids for i in range(6)] == refs
+    assert llm.target.allocator.num_free == 24 and llm.draft.allocator.num_free == 24

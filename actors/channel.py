@@ -1,0 +1,137 @@
+"""The step channel between verifier (rank 0) and draft (rank 1): torch.distributed send/recv, NCCL or gloo.
+
+Every message is a fixed int64 header, then tensors whose sizes the header gives. Receive buffers grow once and
+are reused, so the hot path allocates nothing once shapes have been seen.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dspark_serve.engine.draft_side import DraftInput, DraftProposal
+
+HEADER = 8
+OP_PROPOSE, OP_STOP = 1, 2
+Q_NONE, Q_DENSE, Q_TOPK = 0, 1, 2
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class StepChannel:
+    """One end of the pair's process group; `device` is where tensors cross (cuda with NCCL, cpu with gloo)."""
+
+    def __init__(self, rank: int, host: str, port: int, backend: str, device: torch.device,
+                 timeout_s: float = 120.0) -> None:
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=2,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        self.rank, self.peer, self.device = rank, 1 - rank, device
+        self._bufs: dict[str, Tensor] = {}
+
+    def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self._bufs[name] = torch.empty(max(n, 1), dtype=dtype, device=self.device)
+        return buf[:n].view(shape)
+
+    def send(self, t: Tensor) -> None:
+        dist.send(t.to(self.device).contiguous(), self.peer)
+
+    def recv(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        buf = self._buf(name, shape, dtype)
+        dist.recv(buf, self.peer)
+        return buf
+
+    def header(self, *values: int) -> Tensor:
+        return torch.tensor(list(values) + [0] * (HEADER - len(values)), dtype=torch.int64)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class VerifierEnd(StepChannel):
+    """Sends DraftInput, receives DraftProposal."""
+
+    def __init__(self, host: str, port: int, backend: str, device: torch.device, ctx_dim: int,
+                 feature_dtype: torch.dtype, target_vocab: int) -> None:
+        super().__init__(0, host, port, backend, device)
+        self.ctx_dim, self.feature_dtype, self.target_vocab = ctx_dim, feature_dtype, target_vocab
+
+    def propose(self, inp: DraftInput) -> DraftProposal:
+        t0 = time.perf_counter()
+        num_reqs, width = inp.block_table.shape
+        num_ctx = int(inp.ctx_len.sum())
+        self.send(self.header(OP_PROPOSE, num_reqs, num_ctx, width))
+        self.send(torch.stack([inp.anchors, inp.anchor_pos, inp.ctx_start, inp.ctx_len, inp.seeds], 1))
+        self.send(inp.block_table)
+        self.send(inp.temperature.float())
+        if num_ctx:
+            self.send(inp.features.to(self.feature_dtype))
+        h = self.recv("h", (HEADER,), torch.int64).tolist()
+        n, kind, k, has_conf, compute_us = h[1], h[2], h[3], h[4], h[5]
+        tokens = self.recv("tokens", (num_reqs, n), torch.int64).clone()
+        probs = None
+        if kind == Q_DENSE:
+            probs = self.recv("q", (num_reqs, n, self.target_vocab), torch.float32).clone()
+        elif kind == Q_TOPK:
+            idx = self.recv("q_idx", (num_reqs, n, k), torch.int64)
+            vals = self.recv("q_val", (num_reqs, n, k), torch.float32)
+            probs = torch.zeros(num_reqs, n, self.target_vocab, device=self.device).scatter_(-1, idx, vals)
+        conf = self.recv("conf", (num_reqs, n), torch.float32).clone() if has_conf else None
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        return DraftProposal(tokens, probs, conf, transfer_ms=max(0.0, wall_ms - compute_us / 1e3))
+
+    def stop(self) -> None:
+        self.send(self.header(OP_STOP))
+
+
+class DraftEnd(StepChannel):
+    """Receives DraftInput, runs `propose`, sends the DraftProposal (q restricted to its candidates)."""
+
+    def __init__(self, host: str, port: int, backend: str, device: torch.device, ctx_dim: int,
+                 feature_dtype: torch.dtype, topk: int) -> None:
+        super().__init__(1, host, port, backend, device)
+        self.ctx_dim, self.feature_dtype, self.topk = ctx_dim, feature_dtype, topk
+
+    def serve(self, propose) -> None:
+        """Loop until OP_STOP: one proposal per verify step."""
+        while True:
+            h = self.recv("h", (HEADER,), torch.int64).tolist()
+            if h[0] == OP_STOP:
+                return
+            num_reqs, num_ctx, width = h[1], h[2], h[3]
+            ints = self.recv("ints", (num_reqs, 5), torch.int64).cpu()
+            table = self.recv("table", (num_reqs, width), torch.int64).cpu()
+            temp = self.recv("temp", (num_reqs,), torch.float32).cpu()
+            feats = self.recv("feats", (num_ctx, self.ctx_dim), self.feature_dtype) if num_ctx else None
+            t0 = time.perf_counter()
+            out = propose(DraftInput(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], feats, table, temp, ints[:, 4]))
+            self._reply(out, int((time.perf_counter() - t0) * 1e6))
+
+    def _reply(self, out: DraftProposal, compute_us: int) -> None:
+        num_reqs, n = out.tokens.shape
+        kind = Q_NONE if out.probs is None else (Q_TOPK if 0 < self.topk < out.probs.shape[-1] else Q_DENSE)
+        self.send(self.header(0, n, kind, self.topk, int(out.confidence_logits is not None), compute_us))
+        self.send(out.tokens)
+        if kind == Q_DENSE:
+            self.send(out.probs.float())
+        elif kind == Q_TOPK:
+            vals, idx = out.probs.float().topk(self.topk, dim=-1)  # q is zero outside its <= k candidates
+            self.send(idx)
+            self.send(vals)
+        if out.confidence_logits is not None:
+            self.send(out.confidence_logits.float())

@@ -1,0 +1,43 @@
+"""DraftActor: the draft model and its cache on its own device, answering one proposal per step over the channel."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_serve.engine.draft_side import DraftSide
+from dspark_serve.engine.spec_config import SpeculativeConfig
+from dspark_serve.models.draft_config import DraftConfig
+from dspark_serve.models.draft_loader import load_draft
+from dspark_serve.models.target_loader import load_target_heads
+
+from .channel import DraftEnd
+from .placement_env import actor_device, torch_dtype
+
+
+class DraftActor:
+    def __init__(self, cfg) -> None:  # cfg: cluster.config.PairConfig
+        self.device = actor_device(cfg.device)
+        dtype = torch_dtype(cfg.dtype)
+        spec = SpeculativeConfig.from_json(cfg.speculative_config)
+        heads = load_target_heads(cfg.target, dtype=dtype)
+        model = load_draft(cfg.draft, target=heads, dtype=dtype).to(self.device)
+        self.side = DraftSide(model, cfg.num_kv_blocks, cfg.block_size, spec, heads.config.vocab_size)
+        self.config: DraftConfig = model.config
+        self.topk = spec.dspark_draft_topk
+        self.feature_dtype = dtype or heads.config.dtype
+        self.end: DraftEnd | None = None
+
+    def connect(self, host: str, port: int, backend: str) -> bool:
+        self.end = DraftEnd(host, port, backend, self.device if backend == "nccl" else torch.device("cpu"),
+                            self.config.context_dim, self.feature_dtype, self.topk)
+        return True
+
+    def serve(self) -> str:
+        """Blocks until the verifier sends STOP."""
+        self.end.serve(self.side.propose)
+        self.end.close()
+        return "stopped"
+
+    def info(self) -> dict:
+        return {"device": str(self.device), "num_speculative_tokens": self.side.num_speculative_tokens,
+                "free_blocks": self.side.allocator.num_free}

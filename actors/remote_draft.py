@@ -1,0 +1,22 @@
+"""RemoteDraft: the draft side as the verifier's step loop sees it when the draft lives in another actor."""
+
+from __future__ import annotations
+
+from dspark_serve.engine.draft_side import DraftInput, DraftProposal
+from dspark_serve.engine.kv_cache import BlockAllocator
+
+from .channel import VerifierEnd
+
+
+class RemoteDraft:
+    """Same surface as engine.DraftSide for the scheduler and spec_step; the draft cache's block ids are
+    bookkept here and travel in each DraftInput, the cache itself lives with the draft."""
+
+    def __init__(self, end: VerifierEnd, num_speculative_tokens: int, query_len: int, num_blocks: int,
+                 block_size: int) -> None:
+        self.end, self.num_speculative_tokens, self.query_len = end, num_speculative_tokens, query_len
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.device = end.device
+
+    def propose(self, inp: DraftInput) -> DraftProposal:
+        return self.end.propose(inp)

@@ -1,0 +1,42 @@
+"""Configs of a deployment: the draft+verifier pair and the gateway (frozen dataclasses, plain types only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class PairConfig:
+    target: str
+    draft: str | None = None
+    speculative_config: str | None = None  # JSON, vLLM field names
+    device: str = "auto"  # "auto": one GPU per actor when the cluster has GPUs, else CPU
+    dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None: the checkpoint's
+    block_size: int = 16
+    num_kv_blocks: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    placement: str = "PACK"  # PACK: one node if possible; SPREAD: draft and verifier on different nodes
+    channel_host: str | None = None  # address the verifier's step channel binds; None: its node IP
+    num_cpus: float = 1.0  # per actor
+    target_resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources steering the verifier
+    draft_resources: tuple[tuple[str, float], ...] = ()
+
+    def validate(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in (None, "bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port
+    max_queue: int = 256  # queued + running requests before RESOURCE_EXHAUSTED
+    max_request_bytes: int = 4 << 20  # larger Generate requests get INVALID_ARGUMENT
+    drain_timeout_s: float = 30.0

@@ -1,0 +1,71 @@
+"""Pure conversions between the dspark.v1 messages and the plain dicts the verifier actor speaks."""
+
+from __future__ import annotations
+
+from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
+
+_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos")
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORTED}
+
+
+def sampling_params(msg: pb.SamplingParams, max_tokens_limit: int) -> dict:
+    """Only the fields the client set; the rest keep SamplingParams' defaults. Raises ValueError naming a field."""
+    kw: dict = {f: getattr(msg, f) for f in _FIELDS if msg.HasField(f)}
+    kw["stop"] = tuple(msg.stop)
+    kw["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if any(s == "" for s in kw["stop"]):
+        raise ValueError("stop strings must be non-empty")
+    SamplingParams(**kw).validate(max_tokens_limit=max_tokens_limit)
+    return kw
+
+
+def prompt(req: pb.GenerateRequest, vocab_size: int, max_model_len: int) -> str | list[int]:
+    which = req.WhichOneof("input")
+    if which == "text":
+        if not req.text:
+            raise ValueError("prompt is empty: text is an empty string")
+        return req.text
+    if which is None or not req.token_ids.ids:
+        raise ValueError("prompt is empty: set text or token_ids")
+    ids = list(req.token_ids.ids)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token_ids must be in [0, {vocab_size}), got {bad[:5]}")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; the maximum is {max_model_len - 1}")
+    return ids
+
+
+def speculative(req: pb.GenerateRequest, max_spec: int) -> tuple[int | None, float | None]:
+    """(num_speculative_tokens, confidence_threshold) overrides; disable means plain decoding."""
+    s = req.speculative
+    if s.disable:
+        return 0, None
+    n = s.num_speculative_tokens if s.HasField("num_speculative_tokens") else None
+    if n is not None and not 1 <= n <= max_spec:
+        raise ValueError(f"speculative.num_speculative_tokens must be in [1, {max_spec}], got {n}")
+    t = s.confidence_threshold if s.HasField("confidence_threshold") else None
+    if t is not None and not 0.0 <= t <= 1.0:
+        raise ValueError(f"speculative.confidence_threshold must be in [0, 1], got {t}")
+    return n, t
+
+
+def spec_stats(stats: dict) -> pb.SpecStats:
+    drafted = stats["drafted"]
+    return pb.SpecStats(
+        num_spec_steps=stats["steps"], num_draft_tokens=drafted, num_accepted_tokens=stats["accepted"],
+        mean_acceptance_length=stats["tau"], draft_acceptance_rate=stats["accepted"] / drafted if drafted else 0.0,
+        per_position_accepted=stats["per_position_accepted"], accepted_per_step=stats["accepted_per_step"],
+        draft_ms=stats["draft_ms"], verify_ms=stats["verify_ms"], transfer_ms=stats.get("transfer_ms", 0.0))
+
+
+def chunk(out: dict, text_delta: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=out["request_id"], chunk=pb.GenerateChunk(
+        token_ids=out["new_token_ids"], text=text_delta, num_output_tokens=len(out["token_ids"])))
+
+
+def complete(out: dict) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=out["request_id"], complete=pb.GenerateComplete(
+        output_ids=out["token_ids"], text=out["text"], finish_reason=FINISH[out["finish_reason"]],
+        num_prompt_tokens=len(out["prompt_ids"]), stats=spec_stats(out["stats"])))

@@ -1,0 +1,31 @@
+"""grpc.health.v1 for the gateway: overall ("") and per service; NOT_SERVING while draining or when the pair stalls."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from grpc_health.v1 import health, health_pb2
+
+from .servicer import SERVICE_NAME
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Health:
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+
+    async def set(self, serving: bool) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+
+    async def watch_pair(self, verifier: Any, is_draining, period_s: float = 1.0) -> None:
+        """Probe the real request path: the verifier reports a dead or stalled step loop."""
+        while True:
+            try:
+                ok = (await asyncio.wait_for(verifier.health.remote(), timeout=10))["ok"]
+            except Exception:  # noqa: BLE001 - an unreachable pair is unhealthy
+                ok = False
+            await self.set(ok and not is_draining())
+            await asyncio.sleep(period_s)

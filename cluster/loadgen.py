@@ -1,0 +1,90 @@
+"""`dspark-serve bench`: concurrent streaming clients against a running server; tokens/s, TTFT, TPOT and tau."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+
+import grpc
+
+from .client import DSparkClient
+
+
+def _prompts(path: str | None, n: int) -> list:
+    if path is None:
+        return [[(7 * i + j) % 200 + 1 for j in range(8 + i % 17)] for i in range(n)]
+    lines = [ln.rstrip("\n") for ln in open(path, encoding="utf-8") if ln.strip()]
+    parsed = [[int(t) for t in ln.split(",")] if all(p.strip().isdigit() for p in ln.split(",")) else ln
+              for ln in lines]
+    return [parsed[i % len(parsed)] for i in range(n)]
+
+
+def _one(client: DSparkClient, prompt, args: argparse.Namespace, out: list) -> None:
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    stats = None
+    try:
+        for msg in client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True):
+            if msg.HasField("chunk") and msg.chunk.token_ids:
+                first = first or time.perf_counter()
+                tokens = msg.chunk.num_output_tokens
+            if msg.HasField("complete"):
+                stats = msg.complete.stats
+    except grpc.RpcError as e:
+        out.append({"error": e.code().name})
+        return
+    end = time.perf_counter()
+    out.append({"ttft_s": (first or end) - t0, "tpot_s": (end - (first or end)) / max(tokens - 1, 1),
+                "tokens": tokens, "latency_s": end - t0, "steps": stats.num_spec_steps,
+                "accepted": stats.num_accepted_tokens, "transfer_ms": stats.transfer_ms})
+
+
+def run_level(address: str, concurrency: int, args: argparse.Namespace) -> dict:
+    prompts = _prompts(args.prompt_file, args.num_requests)
+    results: list = []
+    lock = threading.Lock()
+    todo = list(prompts)
+
+    def worker() -> None:
+        client = DSparkClient(address)
+        while True:
+            with lock:
+                if not todo:
+                    break
+                prompt = todo.pop()
+            _one(client, prompt, args, results)
+        client.close()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if "error" not in r]
+    steps = sum(r["steps"] for r in ok)
+    return {"concurrency": concurrency, "requests": len(ok), "errors": len(results) - len(ok),
+            "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
+            "ttft_ms_p50": 1e3 * statistics.median(r["ttft_s"] for r in ok) if ok else None,
+            "tpot_ms_p50": 1e3 * statistics.median(r["tpot_s"] for r in ok) if ok else None,
+            "tau": (sum(r["accepted"] for r in ok) + steps) / max(steps, 1),
+            "transfer_ms_per_step": sum(r["transfer_ms"] for r in ok) / max(steps, 1)}
+
+
+def main(args: argparse.Namespace) -> int:
+    rows = []
+    for c in args.concurrency:
+        rows.append(run_level(args.server, c, args))
+        r = rows[-1]
+        print(f"concurrency {c:>3}: {r['tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_ms_p50']:7.1f} ms  "
+              f"TPOT p50 {r['tpot_ms_p50']:6.2f} ms  tau {r['tau']:.2f}  channel {r['transfer_ms_per_step']:.3f} "
+              f"ms/step  errors {r['errors']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0

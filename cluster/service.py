@@ -1,0 +1,55 @@
+"""Run the whole service: Ray (embedded or joined), the draft+verifier pair, the gateway; drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+
+from .config import GatewayConfig, PairConfig
+
+
+def start_ray(address: str | None, num_cpus: int | None = None) -> None:
+    """Join `address`, or start an embedded single-node Ray bound to loopback. Token auth stays as Ray sets it."""
+    import ray
+
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return
+    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
+
+
+async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[[int], None] | None = None) -> None:
+    from .pair import create_pair
+    from .server import GatewayServer
+
+    loop = asyncio.get_running_loop()
+    pair = await loop.run_in_executor(None, create_pair, pair_cfg)
+    server = GatewayServer(pair.verifier, gw_cfg)
+    try:
+        port = await server.start()
+        server.install_signal_handlers()
+        if on_ready is not None:
+            on_ready(port)
+        await server.wait()
+    finally:
+        await loop.run_in_executor(None, pair.shutdown)
+
+
+def run(pair_cfg: PairConfig, gw_cfg: GatewayConfig, address: str | None, num_cpus: int | None) -> int:
+    import ray
+
+    start_ray(address, num_cpus)
+    if not address and pair_cfg.channel_host is None:
+        pair_cfg = PairConfig(**{**pair_cfg.__dict__, "channel_host": "127.0.0.1"})
+
+    def ready(port: int) -> None:
+        print(f"dspark-serve: serving dspark.v1.Generation on {gw_cfg.host}:{port}", flush=True)
+
+    try:
+        asyncio.run(serve(pair_cfg, gw_cfg, ready))
+    finally:
+        ray.shutdown()
+    print("dspark-serve: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,49 @@
+"""Test helper: the real `dspark-serve serve` in its own process session, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+class ServerProcess:
+    def __init__(self, target: Path, draft: Path | None, *extra: str, timeout_s: float = 180.0) -> None:
+        cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(target), "--port", "0",
+               "--host", "127.0.0.1", "--num-cpus", "4", "--block-size", "8", "--num-kv-blocks", "1024", *extra]
+        if draft is not None:
+            cmd += ["--draft", str(draft)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.log: list[str] = []
+        end = time.monotonic() + timeout_s
+        self.address = None
+        while time.monotonic() < end and self.address is None:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                break
+            self.log.append(line)
+            m = re.search(r"serving dspark.v1.Generation on (127\.0\.0\.1:\d+)", line)
+            if m:
+                self.address = m.group(1)
+        if self.address is None:
+            self.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.log))
+
+    def terminate(self) -> None:
+        """SIGTERM to the server process only (not its Ray workers): it drains and stops the pair itself."""
+        self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        rc = self.proc.wait(timeout)
+        self.log.append(self.proc.stdout.read())
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

@@ -1,0 +1,208 @@
+"""The service end to end: real Ray actors (draft and verifier), the gloo step channel, real gRPC on 127.0.0.1."""
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from service import ServerProcess
+
+from dspark_serve.cluster.client import DSparkClient
+from dspark_serve.engine.llm import LLM
+from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.models.random_init import random_pair
+from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
+
+MAX_QUEUE = 24
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    return random_pair(tmp_path_factory.mktemp("pair"), agree=0.005, block_size=6)
+
+
+@pytest.fixture(scope="module")
+def server(pair_dirs):
+    srv = ServerProcess(*pair_dirs, "--max-queue", str(MAX_QUEUE), "--max-model-len", "4096")
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def local(pair_dirs):
+    return LLM(str(pair_dirs[0]), str(pair_dirs[1]), device="cpu", block_size=8)
+
+
+@pytest.fixture
+def client(server):
+    c = DSparkClient(server.address)
+    yield c
+    c.close()
+
+
+def _prompts(n):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 500, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _wait_blocks_free(client, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        s = client.server_stats()
+        if s.free_target_blocks == s.total_target_blocks and s.free_draft_blocks == s.total_draft_blocks:
+            return s
+        time.sleep(0.02)
+    raise AssertionError(f"blocks not freed: {client.server_stats()}")
+
+
+def test_single_request_equals_in_process_engine(client, local):
+    prompt = _prompts(1)[0]
+    out = client.generate(prompt, temperature=0.0, max_tokens=40)
+    ref = local.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40))[0]
+    assert out["token_ids"] == ref.token_ids and out["finish_reason"] == "length"
+    assert out["stats"]["tau"] > 2.0 and out["stats"]["transfer_ms"] > 0
+
+
+def test_concurrent_clients_equal_in_process_engine(server, local):
+    prompts = _prompts(24)
+    refs = local.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+    results = [None] * len(prompts)
+
+    def run(i):
+        c = DSparkClient(server.address)
+        results[i] = c.generate(prompts[i], temperature=0.0, max_tokens=24)["token_ids"]
+        c.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [r.token_ids for r in refs]
+
+
+def test_stream_order_and_final_stats(client, local):
+    prompt = [5, 6, 7, 8]
+    msgs = list(client.stream(prompt, temperature=0.0, max_tokens=30))
+    chunks, final = msgs[:-1], msgs[-1]
+    assert all(m.HasField("chunk") for m in chunks) and final.HasField("complete")
+    ids = [t for m in chunks for t in m.chunk.token_ids]
+    assert ids == list(final.complete.output_ids) == local.generate([prompt], SamplingParams(
+        temperature=0.0, max_tokens=30))[0].token_ids
+    counts = [m.chunk.num_output_tokens for m in chunks]
+    assert counts == sorted(counts) and counts[-1] == 30
+    s = final.complete.stats
+    assert len(chunks) == s.num_spec_steps + 1  # the prefill token, then one message per verify step
+    assert sum(s.accepted_per_step) == s.num_accepted_tokens and len(s.accepted_per_step) == s.num_spec_steps
+    assert abs(s.mean_acceptance_length - (s.num_accepted_tokens + s.num_spec_steps) / s.num_spec_steps) < 1e-9
+    assert s.draft_acceptance_rate == pytest.approx(s.num_accepted_tokens / s.num_draft_tokens)
+    assert final.complete.finish_reason == pb.FINISH_REASON_LENGTH and final.complete.num_prompt_tokens == 4
+
+
+def test_abort_returns_blocks_and_ends_the_stream(client):
+    stream = client.stream([1, 2, 3], request_id="to-abort", temperature=0.0, max_tokens=3500, ignore_eos=True)
+    first = next(stream)
+    assert first.HasField("chunk")
+    assert client.abort("to-abort", "unknown-id") == ["to-abort"]
+    rest = list(stream)
+    assert rest[-1].complete.finish_reason == pb.FINISH_REASON_ABORTED
+    assert len(rest[-1].complete.output_ids) < 3500
+    _wait_blocks_free(client, timeout=1.0)
+
+
+def test_client_cancellation_returns_blocks(client):
+    stream = client.stream([4, 5, 6], temperature=0.0, max_tokens=3500, ignore_eos=True)
+    next(stream)
+    stream.cancel()
+    _wait_blocks_free(client, timeout=2.0)
+
+
+def test_deadline_exceeded_frees_blocks(client):
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.stream([9, 9], temperature=0.0, max_tokens=3500, ignore_eos=True, timeout=0.3))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_blocks_free(client, timeout=2.0)
+
+
+BAD = [
+    (dict(prompt=[]), "prompt is empty"),
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt=[1], temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(prompt=[1], temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (dict(prompt=[1], top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(prompt=[1], top_p=1.5), "top_p must be in (0, 1]"),
+    (dict(prompt=[1], max_tokens=0), "max_tokens must be >= 1"),
+    (dict(prompt=[1], max_tokens=-3), "max_tokens must be >= 1"),
+    (dict(prompt=[1], max_tokens=10**6), "max_tokens must be <= 4096"),
+    (dict(prompt=[1] * 5000), "prompt has 5000 tokens; the maximum is 4095"),
+    (dict(prompt=[1, 512, 3]), "token_ids must be in [0, 512), got [512]"),
+    (dict(prompt=[1, -1]), "token_ids must be in [0, 512), got [-1]"),
+    (dict(prompt="hello"), "text input needs a tokenizer"),
+    (dict(prompt=[1], num_speculative_tokens=9), "speculative.num_speculative_tokens must be in [1, 6]"),
+    (dict(prompt=[1], confidence_threshold=2.0), "speculative.confidence_threshold must be in [0, 1]"),
+    (dict(prompt="x" * (5 << 20)), "bytes; the limit is 4194304"),  # an oversized message
+]
+
+
+@pytest.mark.parametrize("kw,message", BAD, ids=[m[:40] for _, m in BAD])
+def test_malformed_input_is_invalid_argument_and_server_keeps_serving(client, kw, message):
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(**kw)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in e.value.details()
+    assert len(client.generate([1, 2], temperature=0.0, max_tokens=3)["token_ids"]) == 3
+
+
+def test_model_info_health_and_reflection(client, server):
+    info = client.model_info()
+    assert info.vocab_size == 512 and info.num_speculative_tokens == 6 and info.method == "dspark"
+    assert client.health() == "SERVING" and client.health("dspark.v1.Generation") == "SERVING"
+    with grpc.insecure_channel(server.address) as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"dspark.v1.Generation", "grpc.health.v1.Health"} <= names
+        req = reflection_pb2.ServerReflectionRequest(file_containing_symbol="dspark.v1.Generation")
+        reply = next(stub.ServerReflectionInfo(iter([req])))
+        assert reply.file_descriptor_response.file_descriptor_proto  # enough for grpcurl to build requests
+
+
+def test_queue_full_is_resource_exhausted(client, server):
+    streams = [client.stream([i + 1], temperature=0.0, max_tokens=3500, ignore_eos=True, request_id=f"q{i}")
+               for i in range(MAX_QUEUE)]
+    for s in streams:
+        next(s)  # every one is admitted and running
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate([1], max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in e.value.details()
+    assert sorted(client.abort(*[f"q{i}" for i in range(MAX_QUEUE)])) == sorted(f"q{i}" for i in range(MAX_QUEUE))
+    for s in streams:
+        list(s)
+    _wait_blocks_free(client)
+    assert len(client.generate([1, 2], max_tokens=2)["token_ids"]) == 2
+
+
+def test_sigterm_drains(pair_dirs):
+    """Runs its own server: NOT_SERVING and UNAVAILABLE while draining, the running request still finishes."""
+    srv = ServerProcess(*pair_dirs)
+    c = DSparkClient(srv.address)
+    try:
+        stream = c.stream([3, 1, 4], temperature=0.0, max_tokens=1500, ignore_eos=True)
+        next(stream)
+        srv.terminate()
+        end = time.monotonic() + 10
+        while c.health() != "NOT_SERVING" and time.monotonic() < end:
+            time.sleep(0.02)
+        assert c.health() == "NOT_SERVING" and c.health("dspark.v1.Generation") == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate([1], max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+        rest = list(stream)
+        assert rest[-1].complete.finish_reason == pb.FINISH_REASON_LENGTH
+        assert srv.wait(60) == 0 and "dspark-serve: stopped" in "".join(srv.log)
+    finally:
+        c.close()
+        srv.kill()
