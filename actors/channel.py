@@ -84,16 +84,16 @@ class VerifierEnd(StepChannel):
         h = self.recv("h", (HEADER,), torch.int64).tolist()
         n, kind, k, has_conf, compute_us = h[1], h[2], h[3], h[4], h[5]
         tokens = self.recv("tokens", (num_reqs, n), torch.int64).clone()
-        probs = None
+        probs = cand_ids = cand_probs = None
         if kind == Q_DENSE:
             probs = self.recv("q", (num_reqs, n, self.target_vocab), torch.float32).clone()
         elif kind == Q_TOPK:
-            idx = self.recv("q_idx", (num_reqs, n, k), torch.int64)
-            vals = self.recv("q_val", (num_reqs, n, k), torch.float32)
-            probs = torch.zeros(num_reqs, n, self.target_vocab, device=self.device).scatter_(-1, idx, vals)
+            cand_ids = self.recv("q_idx", (num_reqs, n, k), torch.int64).clone()
+            cand_probs = self.recv("q_val", (num_reqs, n, k), torch.float32).clone()
         conf = self.recv("conf", (num_reqs, n), torch.float32).clone() if has_conf else None
         wall_ms = (time.perf_counter() - t0) * 1e3
-        return DraftProposal(tokens, probs, conf, transfer_ms=max(0.0, wall_ms - compute_us / 1e3))
+        return DraftProposal(tokens, probs, conf, transfer_ms=max(0.0, wall_ms - compute_us / 1e3),
+                             cand_ids=cand_ids, cand_probs=cand_probs)
 
     def stop(self) -> None:
         self.send(self.header(OP_STOP))
@@ -103,9 +103,9 @@ class DraftEnd(StepChannel):
     """Receives DraftInput, runs `propose`, sends the DraftProposal (q restricted to its candidates)."""
 
     def __init__(self, host: str, port: int, backend: str, device: torch.device, ctx_dim: int,
-                 feature_dtype: torch.dtype, topk: int) -> None:
+                 feature_dtype: torch.dtype) -> None:
         super().__init__(1, host, port, backend, device)
-        self.ctx_dim, self.feature_dtype, self.topk = ctx_dim, feature_dtype, topk
+        self.ctx_dim, self.feature_dtype = ctx_dim, feature_dtype
 
     def serve(self, propose) -> None:
         """Loop until OP_STOP: one proposal per verify step."""
@@ -124,14 +124,14 @@ class DraftEnd(StepChannel):
 
     def _reply(self, out: DraftProposal, compute_us: int) -> None:
         num_reqs, n = out.tokens.shape
-        kind = Q_NONE if out.probs is None else (Q_TOPK if 0 < self.topk < out.probs.shape[-1] else Q_DENSE)
-        self.send(self.header(0, n, kind, self.topk, int(out.confidence_logits is not None), compute_us))
+        kind = Q_TOPK if out.cand_ids is not None else (Q_NONE if out.probs is None else Q_DENSE)
+        k = out.cand_ids.shape[-1] if out.cand_ids is not None else 0
+        self.send(self.header(0, n, kind, k, int(out.confidence_logits is not None), compute_us))
         self.send(out.tokens)
         if kind == Q_DENSE:
             self.send(out.probs.float())
-        elif kind == Q_TOPK:
-            vals, idx = out.probs.float().topk(self.topk, dim=-1)  # q is zero outside its <= k candidates
-            self.send(idx)
-            self.send(vals)
+        elif kind == Q_TOPK:  # q restricted to its candidates: ids + values
+            self.send(out.cand_ids)
+            self.send(out.cand_probs.float())
         if out.confidence_logits is not None:
             self.send(out.confidence_logits.float())

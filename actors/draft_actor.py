@@ -23,13 +23,12 @@ class DraftActor:
         model = load_draft(cfg.draft, target=heads, dtype=dtype).to(self.device)
         self.side = DraftSide(model, cfg.num_kv_blocks, cfg.block_size, spec, heads.config.vocab_size)
         self.config: DraftConfig = model.config
-        self.topk = spec.dspark_draft_topk
         self.feature_dtype = dtype or heads.config.dtype
         self.end: DraftEnd | None = None
 
     def connect(self, host: str, port: int, backend: str) -> bool:
         self.end = DraftEnd(host, port, backend, self.device if backend == "nccl" else torch.device("cpu"),
-                            self.config.context_dim, self.feature_dtype, self.topk)
+                            self.config.context_dim, self.feature_dtype)
         return True
 
     def serve(self) -> str:

@@ -51,6 +51,15 @@ class DraftProposal:
     probs: Tensor | None  # [R, N, V_target] q each token was drawn from (None when every row is greedy)
     confidence_logits: Tensor | None  # [R, N] fp32, conditional acceptance logits (None without the head)
     transfer_ms: float = 0.0  # step-channel time of a remote draft (wall time minus the draft's compute)
+    cand_ids: Tensor | None = None  # [R, N, K] target ids: with top-k drafting q lives on these candidates only
+    cand_probs: Tensor | None = None  # [R, N, K] q on them (`probs` is then None)
+
+    def dense_probs(self, vocab_size: int) -> Tensor | None:
+        """q as [R, N, V_target] (zero outside the candidates), or None when every row is greedy."""
+        if self.cand_ids is None:
+            return self.probs
+        shape = (*self.cand_ids.shape[:2], vocab_size)
+        return torch.zeros(shape, device=self.cand_ids.device).scatter_(-1, self.cand_ids, self.cand_probs)
 
 
 class DraftSide:
@@ -102,10 +111,10 @@ class DraftSide:
         greedy = (temperature < 1e-5) | (self.spec.draft_sample_method == "greedy")  # [R]
         need_q = not bool(greedy.all())
         temp = torch.where(temperature < 1e-5, 1.0, temperature)[:, None]  # [R, 1]
-        prev, tokens, probs, conf = anchor, [], [], []
+        prev, tokens, probs, conf, cand_ids, cand_probs = anchor, [], [], [], [], []
         for k in range(n):
             embed = m.markov_embed(prev) if m.markov_head is not None else None  # [R, r]
-            logits = self._biased_logits(base[:, k], embed)  # [R, V_draft], -inf outside candidates
+            logits, idx = self._biased_logits(base[:, k], embed)  # [R, V_draft], -inf outside candidates idx
             if m.confidence_head is not None:
                 conf.append(m.confidence_logit(hidden[:, k], embed))
             noise = keyed_gumbel(seeds, (anchor_pos + 1 + k)[:, None], logits.shape[-1], DRAFT_SALT)[:, 0]
@@ -115,17 +124,22 @@ class DraftSide:
             if need_q:
                 q = torch.where(greedy[:, None], torch.nn.functional.one_hot(draft_ids, logits.shape[-1]).float(),
                                 torch.softmax(logits / temp, -1))
-                probs.append(self._to_target_vocab(q))
-        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1) if need_q else None,
-                             torch.stack(conf, 1) if conf else None)
+                if idx is None:
+                    probs.append(self._to_target_vocab(q))
+                else:  # q is zero outside the candidates: keep just those
+                    cand_ids.append(m.to_target_ids(idx))
+                    cand_probs.append(q.gather(-1, idx))
+        stack = lambda xs: torch.stack(xs, 1) if xs else None  # noqa: E731
+        return DraftProposal(torch.stack(tokens, 1), stack(probs), stack(conf), cand_ids=stack(cand_ids),
+                             cand_probs=stack(cand_probs))
 
-    def _biased_logits(self, base: Tensor, embed: Tensor | None) -> Tensor:
-        """U_k + B(prev) over the full draft vocab, or over the top-k candidates of U_k (gathered bias)."""
+    def _biased_logits(self, base: Tensor, embed: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """U_k + B(prev) over the full draft vocab, or over the top-k candidates idx [R, K] of U_k (gathered bias)."""
         k = self.spec.dspark_draft_topk
         if embed is None:
-            return base
+            return base, None
         if not k or k >= base.shape[-1]:
-            return base + self.model.markov_bias(embed)
+            return base + self.model.markov_bias(embed), None
         values, idx = base.topk(k, dim=-1)  # [R, K]
         w2_mod = self.model.markov_head.markov_w2
         from dspark_serve.models.nvfp4_linear import NVFP4Linear
@@ -133,10 +147,10 @@ class DraftSide:
             from dspark_serve.kernels.gathered_bias import gathered_bias, gathered_bias_ref
             fn = gathered_bias if base.is_cuda else gathered_bias_ref
             return fn(embed, w2_mod.weight, w2_mod.weight_scale, w2_mod.weight_scale_2, values, idx,
-                      torch.full_like(base, float("-inf")), self.model.config.logit_scale)
+                      torch.full_like(base, float("-inf")), self.model.config.logit_scale), idx
         w2 = w2_mod.weight  # [V_draft, r]
         bias = torch.einsum("bkr,br->bk", w2[idx].float(), embed.float()) * self.model.config.logit_scale
-        return torch.full_like(base, float("-inf")).scatter_(-1, idx, values + bias)
+        return torch.full_like(base, float("-inf")).scatter_(-1, idx, values + bias), idx
 
     def _to_target_vocab(self, q: Tensor) -> Tensor:
         """[R, V_draft] -> [R, V_target] (identity for a full vocab)."""

@@ -82,7 +82,8 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     logits, feats = target.run(reqs, [[r.anchor] + d[:k] for r, d, k in zip(reqs, draft_lists, n)], last_only=False)
     width = logits.shape[1] - 1
     positions = torch.tensor([[r.anchor_pos + 1 + i for i in range(width + 1)] for r in reqs], device=dev)
-    q = proposal.probs[:, :width].to(dev) if proposal is not None and proposal.probs is not None else None
+    dense = proposal.dense_probs(target.vocab_size) if proposal is not None else None
+    q = dense[:, :width].to(dev) if dense is not None else None
     result = verify_mixed(drafts[:, :width], torch.tensor(n, device=dev), logits, q, params["is_greedy"],
                           params["temperature"], params["top_k"], params["top_p"], params["min_p"],
                           params["seeds"], positions)

@@ -206,3 +206,11 @@ def test_sigterm_drains(pair_dirs):
     finally:
         c.close()
         srv.kill()
+
+
+def test_seeded_sampling_equals_in_process_engine(client, local):
+    """T > 0 with q crossing the channel: (seed, position)-keyed randomness gives the same tokens."""
+    for seed in (1, 2, 3):
+        out = client.generate([7, 8, 9], temperature=0.9, top_p=0.95, seed=seed, max_tokens=24)
+        ref = local.generate([[7, 8, 9]], SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=24))[0]
+        assert out["token_ids"] == ref.token_ids

@@ -1,0 +1,62 @@
+"""The step channel carries DraftInput / DraftProposal exactly: a remote draft proposes what a local one does."""
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dspark_serve.actors.channel import DraftEnd, VerifierEnd, free_port
+from dspark_serve.engine.draft_side import DraftInput, DraftSide
+from dspark_serve.engine.spec_config import SpeculativeConfig
+from dspark_serve.models.random_init import tiny_pair
+
+SPEC = {"dspark_draft_topk": 8}
+
+
+def _side() -> DraftSide:
+    _, draft = tiny_pair(seed=6, block_size=5, dtype=torch.float32)
+    return DraftSide(draft, 64, 8, SpeculativeConfig.from_json(SPEC), 256)
+
+
+def _draft_process(port: int) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    side = _side()
+    end = DraftEnd("127.0.0.1", port, "gloo", torch.device("cpu"), side.model.config.context_dim, torch.float32)
+    end.serve(side.propose)
+    end.close()
+
+
+def _inputs(step: int) -> DraftInput:
+    g = torch.Generator().manual_seed(step)
+    reqs, ctx = 3, [5, 2, 0] if step else [9, 4, 6]
+    start = [0, 0, 0] if step == 0 else [9, 4, 6]
+    return DraftInput(anchors=torch.randint(0, 250, (reqs,), generator=g),
+                      anchor_pos=torch.tensor([s + c for s, c in zip(start, ctx)]),
+                      ctx_start=torch.tensor(start), ctx_len=torch.tensor(ctx),
+                      features=torch.randn(sum(ctx), 128, generator=g),
+                      block_table=torch.arange(12).view(3, 4), temperature=torch.tensor([0.0, 0.8, 1.3]),
+                      seeds=torch.tensor([1, 2, 3]))
+
+
+def test_remote_draft_proposes_what_a_local_draft_does():
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    port = free_port("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_draft_process, args=(port,))
+    proc.start()
+    end = VerifierEnd("127.0.0.1", port, "gloo", torch.device("cpu"), 128, torch.float32, 256)
+    local = _side()
+    try:
+        for step in range(3):
+            remote_out, local_out = end.propose(_inputs(step)), local.propose(_inputs(step))
+            assert torch.equal(remote_out.tokens, local_out.tokens)
+            assert torch.equal(remote_out.confidence_logits, local_out.confidence_logits)
+            assert remote_out.cand_ids.shape == (3, 5, 8) and remote_out.probs is None
+            assert torch.equal(remote_out.dense_probs(256), local_out.dense_probs(256))
+            assert remote_out.transfer_ms > 0
+    finally:
+        end.stop()
+        end.close()
+        proc.join(30)
+    assert proc.exitcode == 0
