@@ -101,6 +101,7 @@ def main() -> None:
         host, port = ray.get(verifier.address.remote())
         ray.get([verifier.connect.remote(0, host, port, topk), draft.connect.remote(1, host, port, topk)])
         draft.serve.remote(topk)
+        print(f"{name}: connected", flush=True)
         r = ray.get(verifier.exchange.remote(reqs, new_tokens, args.iters))
         ray.get(verifier.stop.remote())
         payload = torch.randn(reqs * new_tokens, CTX_DIM).to(torch.bfloat16)
@@ -112,11 +113,10 @@ def main() -> None:
                 rtt.append((time.perf_counter() - t0) * 1e3)
         r.update(case=name, bytes_to_draft=reqs * new_tokens * CTX_DIM * 2, ray_call_ms=statistics.median(rtt))
         rows.append(r)
+        print(f"{r['case']:<46} channel {r['median_ms']:8.3f} ms (p90 {r['p90_ms']:.3f})  "
+              f"Ray call {r['ray_call_ms']:8.3f} ms", flush=True)
         ray.kill(verifier)
         ray.kill(draft)
-    print(f"{'case':<46} {'channel ms':>11} {'p90':>7} {'Ray call ms':>12}")
-    for r in rows:
-        print(f"{r['case']:<46} {r['median_ms']:>11.3f} {r['p90_ms']:>7.3f} {r['ray_call_ms']:>12.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "gpus": torch.cuda.device_count(), "rows": rows,
