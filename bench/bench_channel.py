@@ -94,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     ray.init(include_dashboard=False, log_to_driver=False, **({} if args.device == "cuda" else {
         "_node_ip_address": "127.0.0.1", "runtime_env": {"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}}))
-    opts = {"num_gpus": 1, "num_cpus": 1} if args.device == "cuda" else {"num_cpus": 1}
+    opts = {"num_cpus": 1, "max_concurrency": 4, **({"num_gpus": 1} if args.device == "cuda" else {})}
     rows = []
     for name, reqs, new_tokens, topk in CASES:
         verifier, draft = Peer.options(**opts).remote(args.device), Peer.options(**opts).remote(args.device)
