@@ -36,6 +36,18 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resources(text: str | None, flag: str) -> tuple[tuple[str, float], ...]:
+    import json
+
+    if not text:
+        return ()
+    try:
+        value = json.loads(text)
+        return tuple(sorted((str(k), float(v)) for k, v in value.items()))
+    except (ValueError, AttributeError):
+        raise SystemExit(f"dspark-serve serve: error: {flag} must be a JSON object of numbers, got {text!r}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .config import GatewayConfig, PairConfig
     from .service import run
@@ -43,7 +55,9 @@ def _serve(args: argparse.Namespace) -> int:
     pair = PairConfig(target=args.target, draft=args.draft, speculative_config=args.speculative_config,
                       device=args.device or "auto", dtype=args.dtype, block_size=args.block_size,
                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                      max_model_len=args.max_model_len, placement=args.placement, channel_host=args.channel_host)
+                      max_model_len=args.max_model_len, placement=args.placement, channel_host=args.channel_host,
+                      target_resources=_resources(args.target_resources, "--target-resources"),
+                      draft_resources=_resources(args.draft_resources, "--draft-resources"))
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
                             drain_timeout_s=args.drain_timeout)
     try:
@@ -102,7 +116,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
         prompt = _prompt(args)
     except ValueError as e:
         raise SystemExit(f"dspark-serve generate: error: {e}") from None
-    client = DSparkClient(args.server)
+    client = DSparkClient(args.server, application=args.application)
     spec = json.loads(args.speculative_config) if args.speculative_config else {}
     kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               max_tokens=args.max_tokens, ignore_eos=args.ignore_eos or None,
@@ -159,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", help="target checkpoint directory (HF format), for in-process generation")
     g.add_argument("--server", help="HOST:PORT of a running dspark-serve (then --target/--draft are not used)")
     g.add_argument("--stream", action="store_true", help="print each verify step's text as it arrives")
+    g.add_argument("--application", help="Ray Serve application name (when --server is Serve's gRPC proxy)")
     g.add_argument("--draft", help="draft checkpoint directory (DeepSpec, z-lab DFlash, speculators or vLLM names)")
     g.add_argument("--prompt")
     g.add_argument("--prompt-ids", help="comma-separated token ids")
@@ -184,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     s.add_argument("--placement", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     s.add_argument("--channel-host", help="address the step channel binds (default: the verifier's node IP)")
+    s.add_argument("--target-resources", help='custom Ray resources for the verifier, JSON, e.g. {"target_gpu": 1}')
+    s.add_argument("--draft-resources", help='custom Ray resources for the draft, JSON, e.g. {"draft_gpu": 1}')
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--num-kv-blocks", type=int, default=2048)
     s.add_argument("--max-num-seqs", type=int, default=64)

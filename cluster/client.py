@@ -23,9 +23,11 @@ def stats_dict(s: pb.SpecStats) -> dict[str, Any]:
 
 
 class DSparkClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, application: str | None = None) -> None:
+        """`application`: the Serve application name, when calling through Ray Serve's gRPC proxy."""
         self.channel = grpc.insecure_channel(address)
         self.stub = dspark_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = (("application", application),) if application else None
 
     def close(self) -> None:
         self.channel.close()
@@ -55,7 +57,7 @@ class DSparkClient:
         return req
 
     def stream(self, prompt: str | list[int], timeout: float | None = None, **kw: Any) -> Iterator[pb.GenerateResponse]:
-        return self.stub.Generate(self.request(prompt, **kw), timeout=timeout)
+        return self.stub.Generate(self.request(prompt, **kw), timeout=timeout, metadata=self.metadata)
 
     def generate(self, prompt: str | list[int], timeout: float | None = None, **kw: Any) -> dict[str, Any]:
         """Run to completion: the offline CLI's JSON shape (token_ids, text, finish_reason, stats)."""
@@ -67,13 +69,13 @@ class DSparkClient:
         raise RuntimeError("stream ended without a final message")
 
     def abort(self, *request_ids: str) -> list[str]:
-        return list(self.stub.Abort(pb.AbortRequest(request_ids=request_ids)).aborted)
+        return list(self.stub.Abort(pb.AbortRequest(request_ids=request_ids), metadata=self.metadata).aborted)
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata, timeout=30)
 
     def server_stats(self) -> pb.ServerStats:
-        return self.stub.GetServerStats(pb.GetServerStatsRequest())
+        return self.stub.GetServerStats(pb.GetServerStatsRequest(), metadata=self.metadata, timeout=30)
 
     def health(self, service: str = "") -> str:
         stub = health_pb2_grpc.HealthStub(self.channel)

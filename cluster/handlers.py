@@ -16,8 +16,11 @@ class GatewayError(Exception):
     """A failure to report as a gRPC status; `code` is a grpc.StatusCode name."""
 
     def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
+        super().__init__(code, message)  # both in args, so the error survives pickling (Ray Serve ships it)
         self.code, self.message = code, message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def _cause(e: BaseException) -> BaseException:

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .nvfp4 import e2m1_times, fp8e4m3_to_f32
+from .nvfp4_triton import e2m1_times, fp8e4m3_to_f32
 from .nvfp4_ref import check_packed, dequantize as _dequantize_ref
 
 _BLOCK_J = 32   # candidates per program

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .nvfp4 import fp8e4m3_to_f32
+from .nvfp4_triton import fp8e4m3_to_f32
 from .nvfp4_ref import check_packed
 
 

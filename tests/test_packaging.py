@@ -21,3 +21,23 @@ def test_install_puts_only_the_namespace_at_top_level(tmp_path):
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}).stdout
     assert out.startswith(str(site))
     assert (site / "bin" / "dspark-serve").is_file()
+
+
+def test_cpu_install_needs_no_triton():
+    """CPU torch brings no triton: the engine, actors and Serve app import with triton unavailable."""
+    code = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split('.')[0] == 'triton':
+            raise ImportError('triton blocked')
+sys.meta_path.insert(0, Block())
+import dspark_serve.engine.llm, dspark_serve.actors.draft_actor, dspark_serve.cluster.serve_app
+from dspark_serve.kernels import nvfp4
+import torch
+packed, scale, scale_2 = nvfp4.quantize(torch.randn(4, 32))
+print(nvfp4.dequantize(packed, scale, scale_2).shape)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "torch.Size([4, 32])"

@@ -1,0 +1,97 @@
+"""The Ray Serve application: one ingress deployment that owns a draft+verifier pair and answers dspark.v1 gRPC.
+
+The pair's actors get their own GPUs and placement group (bundle 0 verifier, bundle 1 draft), steered by custom
+resources onto the target-gpu / draft-gpu worker groups. The step loop runs inside the pair; the replica only
+long-polls outputs, so no per-token hop is added. `import_path: dspark_serve.cluster.serve_app:app`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import grpc
+from ray import serve
+
+from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
+
+from .config import PairConfig
+from .handlers import GatewayCore, GatewayError
+
+BUILTIN_TINY = "builtin:tiny"  # a tiny constructed pair written at startup (laptop / CI demo)
+
+
+def _resources(d: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
+    return tuple(sorted((d or {}).items()))
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1000, health_check_period_s=10,
+                  health_check_timeout_s=30)
+class DSpark:
+    def __init__(self, target: str, draft: str | None = None, speculative_config: str | dict | None = None,
+                 device: str = "auto", dtype: str | None = None, block_size: int = 16, num_kv_blocks: int = 2048,
+                 max_num_seqs: int = 64, max_model_len: int = 4096, placement: str = "PACK",
+                 target_resources: dict[str, float] | None = None, draft_resources: dict[str, float] | None = None,
+                 max_queue: int = 256, max_request_bytes: int = 4 << 20, channel_host: str | None = None,
+                 num_cpus: float = 1.0) -> None:
+        import json
+
+        import ray
+
+        from .pair import create_pair
+
+        if target == BUILTIN_TINY:
+            from dspark_serve.models.random_init import random_pair
+
+            self._tmp = tempfile.TemporaryDirectory()
+            target, draft = map(str, random_pair(self._tmp.name, agree=0.005, block_size=6))
+        spec = json.dumps(speculative_config) if isinstance(speculative_config, dict) else speculative_config
+        self.pair = create_pair(PairConfig(
+            target=target, draft=draft, speculative_config=spec, device=device, dtype=dtype, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len, placement=placement,
+            channel_host=channel_host, num_cpus=num_cpus, target_resources=_resources(target_resources),
+            draft_resources=_resources(draft_resources)))
+        info = ray.get(self.pair.verifier.model_info.remote())
+        self.core = GatewayCore(self.pair.verifier, info, max_queue, max_request_bytes)
+        self._started = False
+
+    async def _ready(self) -> None:
+        if not self._started:
+            self._started = True
+            await self.core.start()
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context: Any = None):
+        await self._ready()
+        try:
+            async for response in self.core.generate(request, None):
+                yield response
+        except GatewayError as e:  # a code set on the context before raising is what Serve's proxy returns
+            if grpc_context is not None:
+                grpc_context.set_code(getattr(grpc.StatusCode, e.code))
+                grpc_context.set_details(e.message)
+            raise
+
+    async def Abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
+        return pb.AbortResponse(aborted=await self.core.abort(list(request.request_ids)))
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
+        return self.core.model_info()
+
+    async def GetServerStats(self, request: pb.GetServerStatsRequest) -> pb.ServerStats:
+        return await self.core.server_stats()
+
+    async def check_health(self) -> None:
+        """The real request path: a dead or stalled step loop fails the replica."""
+        health = await self.pair.verifier.health.remote()
+        if not health["ok"]:
+            raise RuntimeError(f"step loop unhealthy: {health}")
+
+    def __del__(self) -> None:
+        pair = getattr(self, "pair", None)
+        if pair is not None:
+            pair.shutdown()
+
+
+def app(args: dict[str, Any]) -> serve.Application:
+    """Serve application builder: `args` are DSpark's constructor arguments (from the config's `args:`)."""
+    return DSpark.bind(**args)
