@@ -23,8 +23,11 @@ def generate(out: Path) -> dict[str, str]:
     files = {}
     for f in sorted((out / "dspark" / "v1").glob("*_pb2*.py*")):
         text = f.read_text()
-        # the generated grpc module imports `dspark.v1`; inside our namespace the sibling is relative
-        files[f.name] = text.replace("from dspark.v1 import", "from . import")
+        # generated code names its module `dspark.v1.*`; inside our namespace the sibling is relative and the
+        # message classes must carry the real module name, or pickling them (Ray Serve does) fails
+        text = text.replace("from dspark.v1 import", "from . import")
+        files[f.name] = text.replace("BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark.v1.dspark_pb2', _globals)",
+                                     "BuildTopDescriptorsAndMessages(DESCRIPTOR, __name__, _globals)")
     return files
 
 
