@@ -1,0 +1,1 @@
+"""dspark_serve.train: the DeepSpec DSpark training recipe (target regeneration, anchors, losses, checkpoints)."""
