@@ -156,10 +156,18 @@ def _prompt(args: argparse.Namespace) -> str | list[int]:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
 
 
-def _quantize(args: argparse.Namespace) -> int:
-    from dspark_serve.models import quantize
+# Subcommands that own their argument parsing: name -> (module, help). Each module has main(argv) -> int.
+DELEGATED = {
+    "quantize": ("dspark_serve.models.quantize", "write an NVFP4 (ModelOpt) draft checkpoint from a bf16 one"),
+    "fetch": ("dspark_serve.models.fetch", "download the demo target (Qwen2.5-Coder-0.5B GGUF) and convert it"),
+    "train-draft": ("dspark_serve.train.cli", "train a DSpark drafter for a target (the DeepSpec recipe)"),
+}
 
-    return quantize.main(args.rest)
+
+def _delegate(name: str, argv: list[str]) -> int:
+    import importlib
+
+    return int(importlib.import_module(DELEGATED[name][0]).main(argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,18 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--json", help="write the results here")
     b.set_defaults(func=_bench)
-    q = sub.add_parser("quantize", help="write an NVFP4 (ModelOpt) draft checkpoint from a bf16 one", add_help=False)
-    q.add_argument("rest", nargs=argparse.REMAINDER)
-    q.set_defaults(func=_quantize)
+    for name, (_, text) in DELEGATED.items():  # listed in --help; parsed by their own modules
+        sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["quantize"]:  # argparse.REMAINDER drops a leading option (--help), so route directly
-        from dspark_serve.models import quantize
-
-        return int(quantize.main(argv[1:]) or 0)
+    if argv[:1] and argv[0] in DELEGATED:
+        return _delegate(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
