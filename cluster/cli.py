@@ -116,8 +116,13 @@ def _generate_remote(args: argparse.Namespace) -> int:
         prompt = _prompt(args)
     except ValueError as e:
         raise SystemExit(f"dspark-serve generate: error: {e}") from None
+    try:
+        spec = json.loads(args.speculative_config) if args.speculative_config else {}
+        if not isinstance(spec, dict):
+            raise ValueError(f"must be a JSON object, got {type(spec).__name__}")
+    except ValueError as e:
+        raise SystemExit(f"dspark-serve generate: error: speculative_config is not valid JSON: {e}") from None
     client = DSparkClient(args.server, application=args.application)
-    spec = json.loads(args.speculative_config) if args.speculative_config else {}
     kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               max_tokens=args.max_tokens, ignore_eos=args.ignore_eos or None,
               num_speculative_tokens=spec.get("num_speculative_tokens"),

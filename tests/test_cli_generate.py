@@ -60,3 +60,10 @@ def test_bad_arguments_exit_nonzero_with_one_line(pair, args, message):
 def test_missing_checkpoint_is_named(tmp_path):
     proc = _cli("generate", "--target", str(tmp_path / "nope"), "--prompt-ids", "1", "--device", "cpu")
     assert proc.returncode != 0 and "config file not found" in proc.stderr
+
+
+@pytest.mark.parametrize("cmd", [["serve", "--target", "x"], ["generate", "--server", "127.0.0.1:1", "--prompt-ids", "1"]])
+def test_bad_speculative_config_json_is_rejected_before_any_work(cmd):
+    proc = _cli(*cmd, "--speculative-config", "{bad json")
+    assert proc.returncode != 0 and "speculative_config is not valid JSON" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
