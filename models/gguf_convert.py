@@ -147,6 +147,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt", "source": gguf_path.name})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    end_of_text = tokenizer.token_to_id("<|endoftext|>")  # Qwen's own generation config stops on both
+    if "eos_token_id" in gen and end_of_text is not None and end_of_text != gen["eos_token_id"]:
+        gen["eos_token_id"] = [gen["eos_token_id"], end_of_text]
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
     return out
