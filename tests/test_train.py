@@ -1,0 +1,169 @@
+"""The DSpark training recipe: the block forward matches inference, the loss matches its formula, a tiny run learns."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+
+import pytest
+import torch
+
+from dspark_serve.engine.llm import LLM
+from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.kernels.attention import AttentionMetadata
+from dspark_serve.models.draft_loader import load_draft
+from dspark_serve.models.random_init import save_target, tiny_pair
+from dspark_serve.models.target_loader import load_target
+from dspark_serve.train.anchors import build_blocks, pack, sample_anchors
+from dspark_serve.train.block_forward import block_forward
+from dspark_serve.train.cli import main as train_main
+from dspark_serve.train.data import CHAT_TEMPLATE, load_prompts
+from dspark_serve.train.draft_init import build_target_layer_ids, default_mask_token_id, new_draft
+from dspark_serve.train.loss import dspark_loss
+
+
+def _inference_block(draft, feats, anchor, ids):
+    """The serving path: context K/V for positions < anchor, then one non-causal block pass."""
+    bs = ids.shape[0]
+    cache = draft.allocate_kv_cache(4, 16)
+    pos = torch.arange(anchor)
+    draft.write_context(feats[:anchor], pos, pos, cache)
+    qpos = torch.arange(anchor, anchor + bs)
+    meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, bs]), seq_lens=torch.tensor([anchor + bs]),
+                             slot_mapping=qpos, block_table=torch.arange(4)[None], max_query_len=bs,
+                             max_seq_len=anchor + bs, causal=False)
+    return draft.block_hidden(ids, qpos, meta, cache)
+
+
+def test_block_forward_matches_inference_path():
+    _, draft = tiny_pair(0, vocab=256, block_size=4, dtype=torch.float32)
+    torch.manual_seed(1)
+    lens = [20, 13]
+    feats = [torch.randn(n, len(draft.config.target_layer_ids) * 64) for n in lens]
+    anchors = torch.tensor([5, 11, 17, 1, 9])  # three blocks in sequence 0, two in sequence 1
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    ids = torch.randint(0, 255, (5, 4))
+    ids[:, 1:] = draft.config.mask_token_id
+    hidden = block_forward(draft, torch.cat(feats), torch.cat([torch.full((n,), i) for i, n in enumerate(lens)]),
+                           torch.cat([torch.arange(n) for n in lens]), ids, seq, anchors)  # [5, 4, 64]
+    for j in range(5):
+        ref = _inference_block(draft, feats[int(seq[j])], int(anchors[j]), ids[j])
+        torch.testing.assert_close(hidden[j], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_loss_matches_formula():
+    torch.manual_seed(0)
+    n, b, v = 2, 4, 6
+    draft_logits = torch.randn(n, b, v, requires_grad=True)
+    d = draft_logits.detach()
+    target_logits = torch.randn(n, b, v)
+    conf = torch.randn(n, b, requires_grad=True)
+    labels = torch.randint(0, v, (n, b))
+    eval_mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    parts = dspark_loss(draft_logits, target_logits, labels, eval_mask, conf)
+
+    num_ce = num_tv = num_conf = den = 0.0
+    for i in range(n):
+        for k in range(b):
+            w = math.exp(-k / 4.0) * float(eval_mask[i, k])
+            pd, pt = d[i, k].softmax(-1), target_logits[i, k].softmax(-1)
+            l1 = float((pd - pt).abs().sum())
+            c_star = min(max(1 - l1 / 2, 0.0), 1.0)
+            x = float(conf[i, k].detach())
+            bce = -(c_star * math.log(1 / (1 + math.exp(-x))) + (1 - c_star) * math.log(1 - 1 / (1 + math.exp(-x))))
+            num_ce += w * float(-d[i, k].log_softmax(-1)[labels[i, k]])
+            num_tv += w * l1
+            num_conf += w * bce
+            den += w
+    ce, tv, cf = num_ce / den, num_tv / den, num_conf / den
+    for got, want in ((parts.ce, ce), (parts.tv, tv), (parts.conf, cf), (parts.total, 0.1 * ce + 0.9 * tv + cf)):
+        assert got.item() == pytest.approx(want, rel=1e-5)
+
+    # masked positions carry no supervision
+    other = labels.clone()
+    other[0, 3], other[1, 1:] = (labels[0, 3] + 1) % v, (labels[1, 1:] + 1) % v
+    assert dspark_loss(draft_logits, target_logits, other, eval_mask, conf).total.item() == pytest.approx(
+        parts.total.item(), rel=1e-6)
+    # c* is detached: the confidence loss sends no gradient into the draft logits
+    parts.conf.backward()
+    assert draft_logits.grad is None or not draft_logits.grad.any()
+    assert conf.grad is not None and conf.grad.any()
+
+
+def test_blocks_anchor_first_and_eval_mask():
+    ids = torch.arange(100, 112)
+    mask = torch.tensor([False] * 4 + [True] * 8)  # response = positions 4..11
+    anchors = sample_anchors(mask, 100)
+    assert anchors.tolist() == list(range(4, 11))
+    packed = pack([(torch.arange(50, 53), torch.tensor([False, True, True])), (ids, mask)])
+    blocks = build_blocks(packed, [torch.tensor([1]), torch.tensor([4, 9])], block_size=3, mask_token_id=7)
+    assert blocks.ids.tolist() == [[51, 7, 7], [104, 7, 7], [109, 7, 7]]
+    assert blocks.labels.tolist() == [[52, 0, 0], [105, 106, 107], [110, 111, 0]]
+    assert blocks.eval_mask.tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 0]]
+    assert blocks.prev_ids.tolist() == [[51, 52, 0], [104, 105, 106], [109, 110, 111]]
+    assert blocks.target_index[1].tolist() == [3 + 4, 3 + 5, 3 + 6]  # packed index of a + k
+
+
+def test_draft_defaults():
+    assert build_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert build_target_layer_ids(24, 2) == (1, 21)
+    assert build_target_layer_ids(4, 2) == (1, 1) and build_target_layer_ids(4, 1) == (2,)
+    assert default_mask_token_id(151936, 151665) == 151669
+    assert default_mask_token_id(512, 300) == 300 and default_mask_token_id(512, None) == 511
+
+
+def test_prompt_formats(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["def add(a, b): return a + b", "hello world"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"]))
+    (tmp_path / "a.txt").write_text("first prompt\nline two\n\nsecond prompt\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "hello"}) + "\n")
+    (tmp_path / "c.ids").write_text("1 2 3\n4,5\n")
+    got = load_prompts([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], tok)
+    assert got == [tok.encode(t).ids for t in ("first prompt\nline two", "second prompt", "hello")]
+    assert load_prompts([str(tmp_path / "b.jsonl")], tok, chat=True) == [tok.encode(CHAT_TEMPLATE.format("hello")).ids]
+    assert load_prompts([str(tmp_path / "c.ids")], None, "ids") == [[1, 2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="must be in"):
+        load_prompts([str(tmp_path / "c.ids")], None, "ids", vocab_size=4)
+
+
+def _mean_tau(outputs) -> float:
+    return statistics.mean(o.stats["tau"] for o in outputs)
+
+
+def test_train_draft_tiny_run_learns_and_stays_lossless(tmp_path):
+    target, _ = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.float32)  # mostly a bigram: learnable quickly
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)  # peaked next-token distributions
+    target_dir = save_target(target, tmp_path / "target")
+    rng = random.Random(0)
+    data = tmp_path / "prompts.ids"
+    data.write_text("\n".join(" ".join(str(rng.randrange(250)) for _ in range(rng.randint(4, 12))) for _ in range(16)))
+    out = tmp_path / "draft"
+    rc = train_main(["--target", str(target_dir), "--data", str(data), "--data-format", "ids", "--out", str(out),
+                     "--response-len", "32", "--draft-layers", "1", "--block-size", "4", "--markov-rank", "64",
+                     "--steps", "120", "--batch-size", "4", "--num-anchors", "16", "--lr", "1e-2",
+                     "--log-every", "40", "--device", "cpu", "--no-shared-copies"])
+    assert rc == 0
+    losses = [json.loads(line)["loss"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert statistics.mean(losses[-10:]) < 0.7 * statistics.mean(losses[:10])
+    rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(r["prompt_tokens"] == len(r["prompt_ids"]) for r in rows)
+
+    tgt = load_target(target_dir)
+    draft = load_draft(out, target=tgt)
+    prompts = [r["prompt_ids"] for r in rows]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    plain = LLM(tgt, None, device="cpu").generate(prompts, params)
+    spec = LLM(tgt, draft, device="cpu").generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    cfg = draft.config
+    untrained = new_draft(tgt, 1, cfg.block_size, cfg.markov_rank, cfg.target_layer_ids, cfg.mask_token_id).eval()
+    base = LLM(tgt, untrained, device="cpu").generate(prompts, params)
+    assert [o.token_ids for o in base] == [o.token_ids for o in plain]
+    assert _mean_tau(spec) > _mean_tau(base) + 0.5

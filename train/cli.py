@@ -1,0 +1,96 @@
+"""`dspark-serve train-draft`: regenerate responses with the target, then train a DSpark draft (DeepSpec recipe)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dspark_serve.models.draft_saver import save_draft
+from dspark_serve.models.target_loader import load_target
+from dspark_serve.models.tokenizer import eos_token_ids, load_tokenizer
+
+from .data import FORMATS, load_prompts
+from .draft_init import default_mask_token_id, new_draft
+from .target_pass import regenerate, write_prompts
+from .trainer import TrainConfig, train
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dspark-serve train-draft", description=__doc__)
+    p.add_argument("--target", required=True, help="target checkpoint directory (HF format, with tokenizer)")
+    p.add_argument("--data", required=True, action="append", help="prompt file (repeatable)")
+    p.add_argument("--out", required=True, help="output draft directory (DeepSpec format)")
+    p.add_argument("--data-format", default="auto", choices=FORMATS, help="ids: one prompt of token ids a line")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the Qwen chat template")
+    p.add_argument("--max-prompts", type=int, help="use at most this many prompts")
+    p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--response-len", type=int, default=256, help="tokens the target regenerates per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0: greedy)")
+    p.add_argument("--gen-batch", type=int, default=64, help="sequences decoded at once while regenerating")
+    p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=7)
+    p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--target-layer-ids", help="comma-separated (default: DFlash's spread, final layer excluded)")
+    p.add_argument("--mask-token-id", type=int, help="default: the first id the tokenizer does not use")
+    p.add_argument("--no-confidence", action="store_true", help="train without the confidence head")
+    p.add_argument("--no-shared-copies", action="store_true",
+                   help="omit embed_tokens/lm_head from the checkpoint (shared with the target at load time)")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup-ratio", type=float, default=0.04)
+    p.add_argument("--schedule", choices=("cosine", "linear"), default="cosine")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: --epochs over the data)")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences packed per step")
+    p.add_argument("--num-anchors", type=int, default=256, help="anchor blocks per sequence")
+    p.add_argument("--max-minutes", type=float, help="stop training after this many minutes")
+    p.add_argument("--no-feature-cache", action="store_true",
+                   help="recompute target features every step instead of keeping them in memory")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target_dir, out = Path(args.target), Path(args.out)
+    target = load_target(target_dir, dtype=None if device == "cuda" else torch.float32, device=device)
+    tok = load_tokenizer(target_dir) if args.data_format != "ids" else None
+    vocab = target.config.vocab_size
+    prompts = load_prompts(args.data, tok, args.data_format, args.chat, args.max_prompt_len, vocab)
+    prompts = prompts[:args.max_prompts] if args.max_prompts else prompts
+    print(f"train-draft: {len(prompts)} prompts; regenerating up to {args.response_len} tokens each",
+          file=sys.stderr)
+    eos = tuple(eos_token_ids(target_dir))
+    responses = regenerate(target, prompts, args.response_len, args.temperature, eos, args.seed, args.gen_batch)
+    out.mkdir(parents=True, exist_ok=True)
+    write_prompts(out / "prompts.jsonl", prompts, responses)
+    seqs = [(torch.tensor(p + r), torch.tensor([False] * len(p) + [True] * len(r))) for p, r in zip(prompts, responses)]
+    mask_id = args.mask_token_id if args.mask_token_id is not None else \
+        default_mask_token_id(vocab, tok.get_vocab_size(with_added_tokens=True) if tok else None)
+    layer_ids = tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else None
+    draft = new_draft(target, args.draft_layers, args.block_size, args.markov_rank, layer_ids, mask_id,
+                      confidence=not args.no_confidence, seed=args.seed)
+    cfg = TrainConfig(lr=args.lr, warmup_ratio=args.warmup_ratio, schedule=args.schedule, steps=args.steps,
+                      epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors,
+                      max_minutes=args.max_minutes,
+                      cache_features=not args.no_feature_cache, log_every=args.log_every, seed=args.seed)
+    print(f"train-draft: draft {args.draft_layers} layers, block {args.block_size}, target layers "
+          f"{list(draft.config.target_layer_ids)}, mask id {mask_id}", file=sys.stderr)
+    (out / "train_log.jsonl").unlink(missing_ok=True)
+    log = train(draft, target, seqs, cfg, out / "train_log.jsonl")
+    save_dtype = target.config.dtype
+    draft.config = replace(draft.config, layers=replace(draft.config.layers, dtype=save_dtype))
+    save_draft(draft.to(save_dtype), out, "deepspec", with_shared=not args.no_shared_copies)
+    if log:
+        print(f"train-draft: loss {log[0]['loss']:.4f} -> {log[-1]['loss']:.4f}; wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

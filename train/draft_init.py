@@ -1,0 +1,70 @@
+"""A fresh DSpark draft for a target: DeepSpec-style config, target layer ids, frozen copies of embed/lm_head."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from dspark_serve.models.draft_config import QWEN3_MASK_TOKEN_ID, DraftConfig
+from dspark_serve.models.dspark import DSparkDraft
+from dspark_serve.models.qwen import QwenForCausalLM
+
+INIT_STD = 0.02
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's default, clipped below the final layer (its HF output is normed; DeepSpec forbids it)."""
+    if num_draft_layers == 1:
+        ids = [num_target_layers // 2]
+    else:
+        start, end = 1, num_target_layers - 3
+        ids = [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    return tuple(min(max(i, 0), num_target_layers - 2) for i in ids)
+
+
+def default_mask_token_id(vocab_size: int, used_tokens: int | None) -> int:
+    """The first unused id (Qwen3's 151669 when it is unused, so Qwen drafts agree); the last id otherwise."""
+    if used_tokens is None or used_tokens >= vocab_size:
+        return vocab_size - 1
+    return QWEN3_MASK_TOKEN_ID if used_tokens <= QWEN3_MASK_TOKEN_ID < vocab_size else used_tokens
+
+
+def new_draft(target: QwenForCausalLM, num_layers: int = 2, block_size: int = 7, markov_rank: int = 64,
+              target_layer_ids: tuple[int, ...] | None = None, mask_token_id: int | None = None,
+              confidence: bool = True, seed: int = 0) -> DSparkDraft:
+    """fp32 draft on the target's device; trainable parts N(0, 0.02) (markov_w2 and confidence start at 0)."""
+    tcfg = target.config
+    ids = target_layer_ids or build_target_layer_ids(tcfg.num_layers, num_layers)
+    bad = [i for i in ids if not -1 <= i <= tcfg.num_layers - 2]
+    if bad:
+        raise ValueError(f"target_layer_ids must be in [-1, {tcfg.num_layers - 2}] (not the final layer), got {bad}")
+    layers = replace(tcfg, arch="qwen3", num_layers=num_layers, tie_word_embeddings=False, attention_bias=False)
+    cfg = DraftConfig(layers=layers, format="deepspec", block_size=block_size, target_layer_ids=tuple(ids),
+                      mask_token_id=tcfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
+                      anchor_first=True, target_hidden_size=tcfg.hidden_size, draft_vocab_size=tcfg.vocab_size,
+                      markov_rank=markov_rank, enable_confidence_head=confidence)
+    torch.manual_seed(seed)
+    draft = DSparkDraft(cfg).float()
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, INIT_STD)
+            elif name.endswith("bias"):
+                p.zero_()
+        if draft.markov_head is not None:
+            draft.markov_head.markov_w2.weight.zero_()
+        if draft.confidence_head is not None:
+            draft.confidence_head.proj.weight.zero_()
+        draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        draft.lm_head.weight.copy_(target.lm_head.weight)
+    freeze_shared(draft)
+    return draft.to(target.lm_head.weight.device)
+
+
+def freeze_shared(draft: DSparkDraft) -> list[nn.Parameter]:
+    """Freeze embed_tokens and lm_head; return the trainable parameters."""
+    for p in (*draft.embed_tokens.parameters(), *draft.lm_head.parameters()):
+        p.requires_grad_(False)
+    return [p for p in draft.parameters() if p.requires_grad]

@@ -1,0 +1,137 @@
+"""The training loop: packed sequences -> target features -> anchor blocks -> DSpark loss; AdamW with warmup."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark_serve.models.dspark import DSparkDraft
+from dspark_serve.models.qwen import QwenForCausalLM
+
+from .anchors import build_blocks, pack, sample_anchors
+from .block_forward import block_forward, block_logits
+from .draft_init import freeze_shared
+from .loss import LossParts, dspark_loss
+from .target_pass import target_features
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    schedule: str = "cosine"  # or "linear" decay after warmup
+    grad_clip: float = 1.0
+    steps: int | None = None  # None: epochs over the sequences
+    epochs: float = 1.0
+    batch_size: int = 4  # sequences packed per step
+    num_anchors: int = 256  # per sequence
+    max_minutes: float | None = None
+    cache_features: bool = True  # run the target once per sequence (else once per step: no memory, more compute)
+    gamma: float = 4.0
+    log_every: int = 10
+    seed: int = 0
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup_ratio of the steps, then cosine or linear decay to 0."""
+    warm = max(1, int(round(cfg.warmup_ratio * total)))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    return cfg.lr * (0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac)
+
+
+Features = tuple[torch.Tensor, torch.Tensor]  # (raw layer outputs [T, m * H], final-normed hidden [T, H])
+
+
+def cache_target_features(target: QwenForCausalLM, seqs: list[tuple[torch.Tensor, torch.Tensor]],
+                          layer_ids: tuple[int, ...], batch_size: int) -> list[Features]:
+    """Per-sequence target features, computed once in packed batches."""
+    out: list[Features] = []
+    for i in range(0, len(seqs), batch_size):
+        packed = pack(seqs[i:i + batch_size])
+        feats, last = target_features(target, packed, layer_ids)
+        out += list(zip(feats.split(packed.lengths), last.split(packed.lengths)))
+    return out
+
+
+def train_step(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Tensor, torch.Tensor]],
+               num_anchors: int, gamma: float = 4.0, generator: torch.Generator | None = None,
+               cached: list[Features] | None = None) -> LossParts | None:
+    """Forward + loss for one packed batch of (ids [T], loss_mask [T]) (with their cached target features, if
+    given); None when no sequence has an anchor."""
+    cfg = draft.config
+    packed = pack(seqs)
+    anchors = [sample_anchors(m, num_anchors, generator) for _, m in seqs]
+    if sum(a.numel() for a in anchors) == 0:
+        return None
+    blocks = build_blocks(packed, anchors, cfg.block_size, cfg.mask_token_id)
+    dev = draft.hidden_norm.weight.device
+    if cached is None:
+        feats, last = target_features(target, packed, cfg.target_layer_ids)
+    else:
+        feats, last = torch.cat([f for f, _ in cached]), torch.cat([h for _, h in cached])
+    autocast = torch.autocast("cuda", torch.bfloat16) if dev.type == "cuda" else nullcontext()
+    with autocast:
+        hidden = block_forward(draft, feats, packed.seq.to(dev), packed.pos.to(dev), blocks.ids.to(dev),
+                               blocks.seq.to(dev), blocks.anchors.to(dev))  # [N, B, hidden]
+        logits, conf = block_logits(draft, hidden, blocks.prev_ids.to(dev))
+    with torch.no_grad():
+        target_logits = target.compute_logits(last[blocks.target_index.to(dev)])  # [N, B, V] fp32
+    return dspark_loss(logits, target_logits, blocks.labels.to(dev), blocks.eval_mask.to(dev), conf, gamma)
+
+
+def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Tensor, torch.Tensor]],
+          cfg: TrainConfig, log_path: Path | None = None) -> list[dict]:
+    """Train in place; returns the per-step log (also appended to `log_path` as JSON lines)."""
+    params = freeze_shared(draft)
+    target.requires_grad_(False)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    per_epoch = max(1, math.ceil(len(seqs) / cfg.batch_size))
+    total = cfg.steps or max(1, int(round(cfg.epochs * per_epoch)))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order: list[int] = []
+    log, t0, tokens = [], time.perf_counter(), 0
+    cache = cache_target_features(target, seqs, draft.config.target_layer_ids, cfg.batch_size) \
+        if cfg.cache_features else None
+    logf = open(log_path, "a") if log_path else None
+    draft.train()
+    for step in range(total):
+        if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
+            print(f"train: stopping at step {step}: --max-minutes {cfg.max_minutes} reached", file=sys.stderr)
+            break
+        while len(order) < cfg.batch_size:
+            order += torch.randperm(len(seqs), generator=gen).tolist()
+        lr = lr_at(step, total, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        picked, order = order[:cfg.batch_size], order[cfg.batch_size:]
+        parts = train_step(draft, target, [seqs[i] for i in picked], cfg.num_anchors, cfg.gamma, gen,
+                           [cache[i] for i in picked] if cache is not None else None)
+        if parts is None:
+            continue
+        opt.zero_grad(set_to_none=True)
+        parts.total.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        tokens += sum(int(seqs[i][0].shape[0]) for i in picked)
+        rec = {"step": step, "lr": lr, "loss": parts.total.item(), "ce": parts.ce.item(), "tv": parts.tv.item(),
+               "conf": parts.conf.item(), "acc": parts.accuracy.item(), "grad_norm": float(gnorm),
+               "tokens_per_s": tokens / (time.perf_counter() - t0)}
+        log.append(rec)
+        if logf:
+            logf.write(json.dumps(rec) + "\n")
+        if step % cfg.log_every == 0 or step == total - 1:
+            print(f"step {step}/{total} lr {lr:.2e} loss {rec['loss']:.4f} ce {rec['ce']:.4f} tv {rec['tv']:.4f} "
+                  f"conf {rec['conf']:.4f} acc {rec['acc']:.3f} tok/s {rec['tokens_per_s']:.0f}", file=sys.stderr)
+    if logf:
+        logf.close()
+    draft.eval()
+    return log
