@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .config import PairConfig
@@ -49,7 +49,7 @@ def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
     cfg.validate()
     gpu = _uses_gpu(cfg)
     device = "cuda" if gpu else "cpu"
-    cfg = PairConfig(**{**cfg.__dict__, "device": device})
+    cfg = replace(cfg, device=device)
     bundle = lambda extra: {"CPU": cfg.num_cpus, **({"GPU": 1} if gpu else {}), **dict(extra)}  # noqa: E731
     bundles = [bundle(cfg.target_resources)] + ([bundle(cfg.draft_resources)] if cfg.draft else [])
     pg = placement_group(bundles, strategy=cfg.placement)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import replace
 from collections.abc import Callable
 
 from .config import GatewayConfig, PairConfig
@@ -42,7 +43,7 @@ def run(pair_cfg: PairConfig, gw_cfg: GatewayConfig, address: str | None, num_cp
 
     start_ray(address, num_cpus)
     if not address and pair_cfg.channel_host is None:
-        pair_cfg = PairConfig(**{**pair_cfg.__dict__, "channel_host": "127.0.0.1"})
+        pair_cfg = replace(pair_cfg, channel_host="127.0.0.1")
 
     def ready(port: int) -> None:
         print(f"dspark-serve: serving dspark.v1.Generation on {gw_cfg.host}:{port}", flush=True)

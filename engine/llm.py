@@ -61,6 +61,8 @@ class LLM:
                                    eos_token_ids=tuple(eos_token_ids or ()), decode=decode)
         self._ids = itertools.count()
         self._rng = random.Random(0)
+        self._queues: dict[str, asyncio.Queue] = {}  # generate_stream: request id -> its outputs
+        self._loop_task: asyncio.Task | None = None
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -126,7 +128,7 @@ class LLM:
         """One request's outputs, step by step; steps run in a worker thread shared by all streams."""
         rid = self.add_request(prompt, params, **kw)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams()[rid] = queue
+        self._queues[rid] = queue
         self._ensure_loop()
         finished = False
         try:
@@ -135,23 +137,17 @@ class LLM:
                 finished = out.finished
                 yield out
         finally:
-            self._streams().pop(rid, None)
+            self._queues.pop(rid, None)
             if not finished:
                 self.abort(rid)
 
-    def _streams(self) -> dict[str, asyncio.Queue]:
-        if not hasattr(self, "_queues"):
-            self._queues: dict[str, asyncio.Queue] = {}
-        return self._queues
-
     def _ensure_loop(self) -> None:
-        task = getattr(self, "_loop_task", None)
-        if task is None or task.done():
+        if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
 
     async def _run_loop(self) -> None:
         while self.has_unfinished():
             for out in await asyncio.to_thread(self.step):
-                queue = self._streams().get(out.request_id)
+                queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)

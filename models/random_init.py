@@ -59,7 +59,7 @@ def tiny_pair(seed: int = 0, *, vocab: int = 256, block_size: int = 4, draft_voc
     _randomize(target, 0.2)
     draft_vocab = draft_vocab or vocab
     rank = tcfg.hidden_size if agree is not None else markov_rank
-    dcfg = DraftConfig(layers=ModelConfig(**{**tcfg.__dict__, "num_layers": 1}), format="deepspec",
+    dcfg = DraftConfig(layers=replace(tcfg, num_layers=1), format="deepspec",
                        block_size=block_size, target_layer_ids=(0, 2), mask_token_id=vocab - 1,
                        anchor_first=anchor_first, target_hidden_size=tcfg.hidden_size, draft_vocab_size=draft_vocab,
                        markov_rank=rank, enable_confidence_head=confidence)
