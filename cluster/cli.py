@@ -74,6 +74,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import json
 
+    import torch
+
     if args.server:
         return _generate_remote(args)
     if not args.target:
@@ -90,7 +92,8 @@ def _generate(args: argparse.Namespace) -> int:
                                 seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
         params.validate()
         spec = SpeculativeConfig.from_json(args.speculative_config)
-        llm = LLM(args.target, args.draft, spec, device=args.device)
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(args.dtype)
+        llm = LLM(args.target, args.draft, spec, device=args.device, dtype=dtype)
         out = llm.generate([prompt], params)[0]
     except (ValueError, CheckpointError) as e:
         raise SystemExit(f"dspark-serve generate: error: {e}") from None
@@ -198,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--speculative-config", help='JSON, e.g. {"num_speculative_tokens": 7, "dspark_draft_topk": 64}')
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=_generate)
     s = sub.add_parser("serve", help="start the draft+verifier pair on Ray and the gRPC gateway")
