@@ -20,7 +20,7 @@ from dspark_serve.train.anchors import build_blocks, pack, sample_anchors
 from dspark_serve.train.block_forward import block_forward
 from dspark_serve.train.cli import main as train_main
 from dspark_serve.train.data import CHAT_TEMPLATE, load_prompts
-from dspark_serve.train.draft_init import build_target_layer_ids, default_mask_token_id, new_draft
+from dspark_serve.train.draft_init import build_target_layer_ids, default_mask_token_id, new_draft, used_vocab_size
 from dspark_serve.train.loss import dspark_loss
 
 
@@ -112,6 +112,15 @@ def test_draft_defaults():
     assert build_target_layer_ids(4, 2) == (1, 1) and build_target_layer_ids(4, 1) == (2,)
     assert default_mask_token_id(151936, 151665) == 151669
     assert default_mask_token_id(512, 300) == 300 and default_mask_token_id(512, None) == 511
+
+    class PaddedVocab:  # a GGUF-converted tokenizer: ids 5.. are "[PAD<id>]"
+        def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+            return 8
+
+        def id_to_token(self, i: int) -> str:
+            return f"[PAD{i}]" if i >= 5 else f"t{i}"
+
+    assert used_vocab_size(PaddedVocab()) == 5
 
 
 def test_prompt_formats(tmp_path):

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
+from dspark_serve.models.config import ModelConfig
 from dspark_serve.models.draft_saver import save_draft
 from dspark_serve.models.target_loader import load_target
 from dspark_serve.models.tokenizer import eos_token_ids, load_tokenizer
 
 from .data import FORMATS, load_prompts
-from .draft_init import default_mask_token_id, new_draft
+from .draft_init import default_mask_token_id, new_draft, used_vocab_size
 from .target_pass import regenerate, write_prompts
 from .trainer import TrainConfig, train
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     write_prompts(out / "prompts.jsonl", prompts, responses)
     seqs = [(torch.tensor(p + r), torch.tensor([False] * len(p) + [True] * len(r))) for p, r in zip(prompts, responses)]
     mask_id = args.mask_token_id if args.mask_token_id is not None else \
-        default_mask_token_id(vocab, tok.get_vocab_size(with_added_tokens=True) if tok else None)
+        default_mask_token_id(vocab, used_vocab_size(tok) if tok else None)
     layer_ids = tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else None
     draft = new_draft(target, args.draft_layers, args.block_size, args.markov_rank, layer_ids, mask_id,
                       confidence=not args.no_confidence, seed=args.seed)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{list(draft.config.target_layer_ids)}, mask id {mask_id}", file=sys.stderr)
     (out / "train_log.jsonl").unlink(missing_ok=True)
     log = train(draft, target, seqs, cfg, out / "train_log.jsonl")
-    save_dtype = target.config.dtype
+    save_dtype = ModelConfig.from_dir(target_dir).dtype  # the target checkpoint's dtype (bf16 for Qwen)
     draft.config = replace(draft.config, layers=replace(draft.config.layers, dtype=save_dtype))
     save_draft(draft.to(save_dtype), out, "deepspec", with_shared=not args.no_shared_copies)
     if log:

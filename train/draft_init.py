@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from tokenizers import Tokenizer
 from torch import nn
 
 from dspark_serve.models.draft_config import QWEN3_MASK_TOKEN_ID, DraftConfig
@@ -29,6 +30,14 @@ def default_mask_token_id(vocab_size: int, used_tokens: int | None) -> int:
     if used_tokens is None or used_tokens >= vocab_size:
         return vocab_size - 1
     return QWEN3_MASK_TOKEN_ID if used_tokens <= QWEN3_MASK_TOKEN_ID < vocab_size else used_tokens
+
+
+def used_vocab_size(tokenizer: Tokenizer) -> int:
+    """1 + the highest id the tokenizer really uses (GGUF conversions pad the vocab with `[PAD<id>]` tokens)."""
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    while n > 0 and tokenizer.id_to_token(n - 1) in (None, f"[PAD{n - 1}]"):
+        n -= 1
+    return n
 
 
 def new_draft(target: QwenForCausalLM, num_layers: int = 2, block_size: int = 7, markov_rank: int = 64,

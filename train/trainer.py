@@ -98,9 +98,9 @@ def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Te
     total = cfg.steps or max(1, int(round(cfg.epochs * per_epoch)))
     gen = torch.Generator().manual_seed(cfg.seed)
     order: list[int] = []
-    log, t0, tokens = [], time.perf_counter(), 0
     cache = cache_target_features(target, seqs, draft.config.target_layer_ids, cfg.batch_size) \
         if cfg.cache_features else None
+    log, t0, tokens = [], time.perf_counter(), 0
     logf = open(log_path, "a") if log_path else None
     draft.train()
     for step in range(total):
