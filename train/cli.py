@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--draft-intermediate-size", type=int, help="the draft's MLP width (default: the target's)")
     p.add_argument("--target-layer-ids", help="comma-separated (default: DFlash's spread, final layer excluded)")
     p.add_argument("--mask-token-id", type=int, help="default: the first id the tokenizer does not use")
     p.add_argument("--no-confidence", action="store_true", help="train without the confidence head")
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         default_mask_token_id(vocab, used_vocab_size(tok) if tok else None)
     layer_ids = tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else None
     draft = new_draft(target, args.draft_layers, args.block_size, args.markov_rank, layer_ids, mask_id,
-                      confidence=not args.no_confidence, seed=args.seed)
+                      confidence=not args.no_confidence, seed=args.seed,
+                      intermediate_size=args.draft_intermediate_size)
     cfg = TrainConfig(lr=args.lr, warmup_ratio=args.warmup_ratio, schedule=args.schedule, steps=args.steps,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors,
                       max_minutes=args.max_minutes,

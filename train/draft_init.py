@@ -42,14 +42,15 @@ def used_vocab_size(tokenizer: Tokenizer) -> int:
 
 def new_draft(target: QwenForCausalLM, num_layers: int = 2, block_size: int = 7, markov_rank: int = 64,
               target_layer_ids: tuple[int, ...] | None = None, mask_token_id: int | None = None,
-              confidence: bool = True, seed: int = 0) -> DSparkDraft:
+              confidence: bool = True, seed: int = 0, intermediate_size: int | None = None) -> DSparkDraft:
     """fp32 draft on the target's device; trainable parts N(0, 0.02) (markov_w2 and confidence start at 0)."""
     tcfg = target.config
     ids = target_layer_ids or build_target_layer_ids(tcfg.num_layers, num_layers)
     bad = [i for i in ids if not -1 <= i <= tcfg.num_layers - 2]
     if bad:
         raise ValueError(f"target_layer_ids must be in [-1, {tcfg.num_layers - 2}] (not the final layer), got {bad}")
-    layers = replace(tcfg, arch="qwen3", num_layers=num_layers, tie_word_embeddings=False, attention_bias=False)
+    layers = replace(tcfg, arch="qwen3", num_layers=num_layers, tie_word_embeddings=False, attention_bias=False,
+                     intermediate_size=intermediate_size or tcfg.intermediate_size)  # a narrower MLP keeps it small
     cfg = DraftConfig(layers=layers, format="deepspec", block_size=block_size, target_layer_ids=tuple(ids),
                       mask_token_id=tcfg.vocab_size - 1 if mask_token_id is None else mask_token_id,
                       anchor_first=True, target_hidden_size=tcfg.hidden_size, draft_vocab_size=tcfg.vocab_size,
