@@ -29,12 +29,22 @@ class Pair:
         remove_placement_group(self.placement_group)
 
 
-def _uses_gpu(cfg: PairConfig) -> bool:
-    import ray
+@dataclass(frozen=True)
+class DevicePlan:
+    device: str  # "cuda" | "cpu"
+    gpus_per_actor: float
+    backend: str  # the step channel: "nccl" between two GPUs, "gloo" otherwise
 
-    if cfg.device == "cpu":
-        return False
-    return cfg.device == "cuda" or ray.cluster_resources().get("GPU", 0) >= (2 if cfg.draft else 1)
+
+def plan_devices(device: str, cluster_gpus: float, has_draft: bool) -> DevicePlan:
+    """One GPU per actor when there are enough; a single GPU is shared (NCCL cannot pair a device with itself,
+    so the channel then uses gloo over host memory); CPU otherwise."""
+    actors = 2 if has_draft else 1
+    if device == "cpu" or (device == "auto" and cluster_gpus < 1):
+        return DevicePlan("cpu", 0, "gloo")
+    if cluster_gpus >= actors or device == "cuda" and cluster_gpus == 0:
+        return DevicePlan("cuda", 1, "nccl")
+    return DevicePlan("cuda", 1 / actors, "gloo")
 
 
 def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
@@ -47,23 +57,23 @@ def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
     from dspark_serve.actors.verifier_actor import VerifierActor
 
     cfg.validate()
-    gpu = _uses_gpu(cfg)
-    device = "cuda" if gpu else "cpu"
-    cfg = replace(cfg, device=device)
-    bundle = lambda extra: {"CPU": cfg.num_cpus, **({"GPU": 1} if gpu else {}), **dict(extra)}  # noqa: E731
+    plan = plan_devices(cfg.device, ray.cluster_resources().get("GPU", 0), cfg.draft is not None)
+    cfg = replace(cfg, device=plan.device)
+    gpu = {"GPU": plan.gpus_per_actor} if plan.gpus_per_actor else {}
+    bundle = lambda extra: {"CPU": cfg.num_cpus, **gpu, **dict(extra)}  # noqa: E731
     bundles = [bundle(cfg.target_resources)] + ([bundle(cfg.draft_resources)] if cfg.draft else [])
     pg = placement_group(bundles, strategy=cfg.placement)
     ray.get(pg.ready(), timeout=timeout_s)
 
     def spawn(cls, index: int):
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
-        return ray.remote(cls).options(num_cpus=cfg.num_cpus, num_gpus=1 if gpu else 0, max_concurrency=16,
+        return ray.remote(cls).options(num_cpus=cfg.num_cpus, num_gpus=plan.gpus_per_actor, max_concurrency=16,
                                        scheduling_strategy=strategy, resources=dict(
                                            cfg.target_resources if index == 0 else cfg.draft_resources)).remote(cfg)
 
     verifier = spawn(VerifierActor, 0)
     draft = spawn(DraftActor, 1) if cfg.draft else None
-    backend = "nccl" if gpu else "gloo"
+    backend = plan.backend
     if draft is not None:
         host, port = ray.get(verifier.channel_address.remote(cfg.channel_host), timeout=timeout_s)
         ray.get([verifier.connect.remote(host, port, backend), draft.connect.remote(host, port, backend)],

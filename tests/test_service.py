@@ -214,3 +214,18 @@ def test_seeded_sampling_equals_in_process_engine(client, local):
         out = client.generate([7, 8, 9], temperature=0.9, top_p=0.95, seed=seed, max_tokens=24)
         ref = local.generate([[7, 8, 9]], SamplingParams(temperature=0.9, top_p=0.95, seed=seed, max_tokens=24))[0]
         assert out["token_ids"] == ref.token_ids
+
+
+@pytest.mark.parametrize("device,gpus,draft,expected", [
+    ("auto", 0, True, ("cpu", 0, "gloo")),
+    ("auto", 2, True, ("cuda", 1, "nccl")),
+    ("auto", 8, True, ("cuda", 1, "nccl")),
+    ("auto", 1, True, ("cuda", 0.5, "gloo")),  # one GPU shared: NCCL cannot pair a device with itself
+    ("auto", 1, False, ("cuda", 1, "nccl")),
+    ("cpu", 4, True, ("cpu", 0, "gloo")),
+])
+def test_device_plan(device, gpus, draft, expected):
+    from dspark_serve.cluster.pair import plan_devices
+
+    plan = plan_devices(device, gpus, draft)
+    assert (plan.device, plan.gpus_per_actor, plan.backend) == expected
