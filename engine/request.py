@@ -40,7 +40,7 @@ class RequestStats:
                 "transfer_ms": round(self.transfer_ms, 3)}
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: a live request is compared by object, never by its tensors
 class Request:
     request_id: str
     prompt_ids: list[int]

@@ -68,15 +68,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[RequestOutput]:
+        """Prefill what was admitted, then one speculative step for the requests already decoding (so a stream
+        of arrivals cannot starve them)."""
         with self._lock:
             new = self._admit()
-            if new:
-                outputs = self._prefill(new)
-            elif self.running:
+            outputs = self._prefill(new) if new else []
+            if any(r not in new and not r.is_finished for r in self.running):
                 self._make_room()
-                outputs = self._decode(self.running)
-            else:
-                return []
+                decoding = [r for r in self.running if r not in new and not r.is_finished]
+                if decoding:
+                    outputs += self._decode(decoding)
             self.running = [r for r in self.running if not r.is_finished]
             return outputs
 
