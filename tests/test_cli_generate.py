@@ -67,3 +67,11 @@ def test_bad_speculative_config_json_is_rejected_before_any_work(cmd):
     proc = _cli(*cmd, "--speculative-config", "{bad json")
     assert proc.returncode != 0 and "speculative_config is not valid JSON" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_demo_runs_and_speculation_is_lossless():
+    proc = _cli("demo", "--max-tokens", "16")
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if "identical to plain greedy" in ln]
+    assert len(lines) == 3 and all(ln.endswith("True") for ln in lines)
+    assert "speculative" in proc.stdout and "speedup" in proc.stdout
