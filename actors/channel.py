@@ -72,27 +72,28 @@ class VerifierEnd(StepChannel):
         self.ctx_dim, self.feature_dtype, self.target_vocab = ctx_dim, feature_dtype, target_vocab
 
     def propose(self, inp: DraftInput) -> DraftProposal:
+        """Three messages each way: a header, the int64 fields packed, then the float payload."""
         t0 = time.perf_counter()
         num_reqs, width = inp.block_table.shape
         num_ctx = int(inp.ctx_len.sum())
         self.send(self.header(OP_PROPOSE, num_reqs, num_ctx, width))
-        self.send(torch.stack([inp.anchors, inp.anchor_pos, inp.ctx_start, inp.ctx_len, inp.seeds], 1))
-        self.send(inp.block_table)
-        self.send(inp.temperature.float())
+        temp_bits = inp.temperature.float().view(torch.int32).to(torch.int64)
+        self.send(torch.cat([torch.stack([inp.anchors, inp.anchor_pos, inp.ctx_start, inp.ctx_len, inp.seeds,
+                                          temp_bits], 1), inp.block_table], 1))  # [R, 6 + W]
         if num_ctx:
             self.send(inp.features.to(self.feature_dtype))
         h = self.recv("h", (HEADER,), torch.int64).tolist()
         n, kind, k, has_conf, compute_us = h[1], h[2], h[3], h[4], h[5]
-        tokens = self.recv("tokens", (num_reqs, n), torch.int64).clone()
-        probs = cand_ids = cand_probs = None
-        if kind == Q_DENSE:
-            probs = self.recv("q", (num_reqs, n, self.target_vocab), torch.float32).clone()
-        elif kind == Q_TOPK:
-            cand_ids = self.recv("q_idx", (num_reqs, n, k), torch.int64).clone()
-            cand_probs = self.recv("q_val", (num_reqs, n, k), torch.float32).clone()
-        conf = self.recv("conf", (num_reqs, n), torch.float32).clone() if has_conf else None
+        k_ids = k if kind == Q_TOPK else 0
+        ints = self.recv("ints", (num_reqs, n, 1 + k_ids), torch.int64).clone()
+        q_width = {Q_TOPK: k, Q_DENSE: self.target_vocab}.get(kind, 0)
+        floats = self.recv("floats", (num_reqs, n, q_width + has_conf), torch.float32).clone() \
+            if q_width + has_conf else None
+        probs = floats[..., :q_width] if kind == Q_DENSE else None
+        cand_ids, cand_probs = (ints[..., 1:], floats[..., :k]) if kind == Q_TOPK else (None, None)
+        conf = floats[..., -1] if has_conf else None
         wall_ms = (time.perf_counter() - t0) * 1e3
-        return DraftProposal(tokens, probs, conf, transfer_ms=max(0.0, wall_ms - compute_us / 1e3),
+        return DraftProposal(ints[..., 0], probs, conf, transfer_ms=max(0.0, wall_ms - compute_us / 1e3),
                              cand_ids=cand_ids, cand_probs=cand_probs)
 
     def stop(self) -> None:
@@ -114,24 +115,24 @@ class DraftEnd(StepChannel):
             if h[0] == OP_STOP:
                 return
             num_reqs, num_ctx, width = h[1], h[2], h[3]
-            ints = self.recv("ints", (num_reqs, 5), torch.int64).cpu()
-            table = self.recv("table", (num_reqs, width), torch.int64).cpu()
-            temp = self.recv("temp", (num_reqs,), torch.float32).cpu()
+            ints = self.recv("ints", (num_reqs, 6 + width), torch.int64).cpu()
+            temp = ints[:, 5].to(torch.int32).view(torch.float32)
             feats = self.recv("feats", (num_ctx, self.ctx_dim), self.feature_dtype) if num_ctx else None
             t0 = time.perf_counter()
-            out = propose(DraftInput(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], feats, table, temp, ints[:, 4]))
+            out = propose(DraftInput(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], feats, ints[:, 6:], temp,
+                                     ints[:, 4]))
             self._reply(out, int((time.perf_counter() - t0) * 1e6))
 
     def _reply(self, out: DraftProposal, compute_us: int) -> None:
         num_reqs, n = out.tokens.shape
         kind = Q_TOPK if out.cand_ids is not None else (Q_NONE if out.probs is None else Q_DENSE)
         k = out.cand_ids.shape[-1] if out.cand_ids is not None else 0
-        self.send(self.header(0, n, kind, k, int(out.confidence_logits is not None), compute_us))
-        self.send(out.tokens)
-        if kind == Q_DENSE:
-            self.send(out.probs.float())
-        elif kind == Q_TOPK:  # q restricted to its candidates: ids + values
-            self.send(out.cand_ids)
-            self.send(out.cand_probs.float())
-        if out.confidence_logits is not None:
-            self.send(out.confidence_logits.float())
+        has_conf = out.confidence_logits is not None
+        self.send(self.header(0, n, kind, k, int(has_conf), compute_us))
+        ints = [out.tokens[..., None]] + ([out.cand_ids] if kind == Q_TOPK else [])
+        self.send(torch.cat(ints, -1))  # [R, N, 1 (+ K)]
+        floats = ([out.cand_probs.float()] if kind == Q_TOPK else []) + \
+            ([out.probs.float()] if kind == Q_DENSE else []) + \
+            ([out.confidence_logits.float()[..., None]] if has_conf else [])
+        if floats:
+            self.send(torch.cat(floats, -1))  # [R, N, K or V (+ 1)]
