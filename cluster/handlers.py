@@ -12,6 +12,9 @@ from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 from . import convert
 
 
+PAIR_TIMEOUT_S = 10.0  # a control call the pair does not answer in this long means it is gone
+
+
 class GatewayError(Exception):
     """A failure to report as a gRPC status; `code` is a grpc.StatusCode name."""
 
@@ -50,7 +53,13 @@ class GatewayCore:
     async def _pump_outputs(self) -> None:
         """One long-poll at a time collects every request's new steps; the loop never waits for it."""
         while True:
-            outs = await self.verifier.wait_outputs.remote(0.05)
+            try:
+                outs = await asyncio.wait_for(self.verifier.wait_outputs.remote(0.05), PAIR_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - the pair is gone or stuck: fail the live streams, keep polling
+                for queue in self.streams.values():
+                    queue.put_nowait(GatewayError("UNAVAILABLE", f"the model pair is unavailable: {_cause(e)}"))
+                await asyncio.sleep(0.5)
+                continue
             for out in outs:
                 queue = self.streams.get(out["request_id"])
                 if queue is not None:
@@ -99,6 +108,8 @@ class GatewayCore:
                     out = await asyncio.wait_for(queue.get(), timeout)
                 except asyncio.TimeoutError:
                     raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded; the request was aborted") from None
+                if isinstance(out, GatewayError):
+                    raise out
                 self.committed[rid] = out["prompt_ids"] + out["token_ids"]
                 finished = out["finished"]
                 delta = out["text"][len(text):] if out["text"].startswith(text) else out["text"]
@@ -127,12 +138,12 @@ class GatewayCore:
         """Stop admitting, let running requests finish (up to timeout_s), then abort the rest."""
         self.draining = True
         try:
-            await self.verifier.drain.remote()
+            await asyncio.wait_for(self.verifier.drain.remote(), PAIR_TIMEOUT_S)
             loop = asyncio.get_running_loop()
             end = loop.time() + timeout_s
             while self.streams and loop.time() < end:
                 await asyncio.sleep(0.05)
             if self.streams:
-                await self.verifier.abort.remote(list(self.streams))
+                await asyncio.wait_for(self.verifier.abort.remote(list(self.streams)), PAIR_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a pair that is already gone has nothing left to drain
             pass

@@ -23,10 +23,13 @@ class Pair:
             ray.get(self.verifier.shutdown.remote(), timeout=30)
         except Exception:  # best effort: the actors are killed below anyway
             pass
-        for actor in (self.verifier, self.draft):
-            if actor is not None:
-                ray.kill(actor)
-        remove_placement_group(self.placement_group)
+        try:
+            for actor in (self.verifier, self.draft):
+                if actor is not None:
+                    ray.kill(actor)
+            remove_placement_group(self.placement_group)
+        except Exception:  # noqa: BLE001 - the cluster itself may already be gone
+            pass
 
 
 @dataclass(frozen=True)

@@ -229,3 +229,33 @@ def test_device_plan(device, gpus, draft, expected):
 
     plan = plan_devices(device, gpus, draft)
     assert (plan.device, plan.gpus_per_actor, plan.backend) == expected
+
+
+def test_a_dead_verifier_fails_streams_and_health(pair_dirs):
+    """Kill the verifier actor mid-stream: the client gets UNAVAILABLE at once, health reads NOT_SERVING (not a
+    ping that lies), and the server still shuts down cleanly."""
+    import os
+    import signal
+    import subprocess
+
+    srv = ServerProcess(*pair_dirs)
+    c = DSparkClient(srv.address)
+    try:
+        stream = c.stream([1, 2, 3], temperature=0.0, max_tokens=3000, ignore_eos=True)
+        next(stream)
+        pids = subprocess.run(["pgrep", "-f", "ray::VerifierActor"], capture_output=True, text=True).stdout.split()
+        assert pids
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "unavailable" in e.value.details()
+        end = time.monotonic() + 15
+        while c.health() != "NOT_SERVING" and time.monotonic() < end:
+            time.sleep(0.1)
+        assert c.health() == "NOT_SERVING"
+        srv.terminate()
+        assert srv.wait(60) == 0
+    finally:
+        c.close()
+        srv.kill()
