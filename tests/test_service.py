@@ -243,7 +243,8 @@ def test_a_dead_verifier_fails_streams_and_health(pair_dirs):
     try:
         stream = c.stream([1, 2, 3], temperature=0.0, max_tokens=3000, ignore_eos=True)
         next(stream)
-        pids = subprocess.run(["pgrep", "-f", "ray::VerifierActor"], capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(["pgrep", "-s", str(srv.proc.pid), "-f", "ray::VerifierActor"],  # this server only
+                              capture_output=True, text=True).stdout.split()
         assert pids
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)
