@@ -185,6 +185,25 @@ def test_queue_full_is_resource_exhausted(client, server):
     assert len(client.generate([1, 2], max_tokens=2)["token_ids"]) == 2
 
 
+def test_bench_load_generator_reports_throughput_latency_and_tau(server, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("1,2,3\n4,5,6,7\n")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", "bench", "--server", server.address,
+                           "--concurrency", "1", "4", "--num-requests", "8", "--max-tokens", "16",
+                           "--prompt-file", str(prompts), "--json", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())
+    assert [r["concurrency"] for r in rows] == [1, 4] and all(r["errors"] == 0 and r["requests"] == 8 for r in rows)
+    assert all(r["tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["tau"] > 1.5
+               for r in rows)
+
+
 def test_sigterm_drains(pair_dirs):
     """Runs its own server: NOT_SERVING and UNAVAILABLE while draining, the running request still finishes."""
     srv = ServerProcess(*pair_dirs)
