@@ -134,7 +134,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
         if args.stream and not args.json:
             for msg in client.stream(prompt, **kw):
                 if msg.HasField("chunk"):
-                    print(msg.chunk.text or " ".join(map(str, msg.chunk.token_ids)), end="", flush=True)
+                    print(msg.chunk.text or "".join(f"{t} " for t in msg.chunk.token_ids), end="", flush=True)
             print()
             return 0
         out = client.generate(prompt, **kw)
