@@ -75,6 +75,17 @@ class DraftSide:
         self.cache = model.allocate_kv_cache(num_blocks, block_size)
         self.allocator = BlockAllocator(num_blocks, block_size)
         self._scatter_cols = torch.arange(cfg.draft_vocab_size, device=self.device) + model.d2t.to(self.device)
+        self._gathered_nvfp4 = self._nvfp4_gather_fn(model)
+
+    def _nvfp4_gather_fn(self, model: DSparkDraft):
+        """The gathered-bias kernel (Triton on CUDA, reference on CPU) when markov_w2 is NVFP4, else None."""
+        from dspark_serve.models.nvfp4_linear import NVFP4Linear
+
+        if model.markov_head is None or not isinstance(model.markov_head.markov_w2, NVFP4Linear):
+            return None
+        from dspark_serve.kernels.gathered_bias import gathered_bias, gathered_bias_ref
+
+        return gathered_bias if self.device.type == "cuda" else gathered_bias_ref
 
     @property
     def query_len(self) -> int:
@@ -142,12 +153,9 @@ class DraftSide:
             return base + self.model.markov_bias(embed), None
         values, idx = base.topk(k, dim=-1)  # [R, K]
         w2_mod = self.model.markov_head.markov_w2
-        from dspark_serve.models.nvfp4_linear import NVFP4Linear
-        if isinstance(w2_mod, NVFP4Linear):  # read only the k candidate rows, 4-bit
-            from dspark_serve.kernels.gathered_bias import gathered_bias, gathered_bias_ref
-            fn = gathered_bias if base.is_cuda else gathered_bias_ref
-            return fn(embed, w2_mod.weight, w2_mod.weight_scale, w2_mod.weight_scale_2, values, idx,
-                      torch.full_like(base, float("-inf")), self.model.config.logit_scale), idx
+        if self._gathered_nvfp4 is not None:  # read only the k candidate rows, 4-bit
+            return self._gathered_nvfp4(embed, w2_mod.weight, w2_mod.weight_scale, w2_mod.weight_scale_2, values,
+                                        idx, torch.full_like(base, float("-inf")), self.model.config.logit_scale), idx
         w2 = w2_mod.weight  # [V_draft, r]
         bias = torch.einsum("bkr,br->bk", w2[idx].float(), embed.float()) * self.model.config.logit_scale
         return torch.full_like(base, float("-inf")).scatter_(-1, idx, values + bias), idx

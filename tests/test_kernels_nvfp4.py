@@ -6,21 +6,15 @@ Interpreter caveats: bf16 tl.dot multiplies raw bits (the GEMM wrapper upcasts t
 fp32->bf16 stores truncate instead of rounding, so bf16 outputs are compared to within one bf16 ulp.
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from interpreter import INTERPRETED, rerun_under_interpreter
 
 if not INTERPRETED:
     def test_kernels_under_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+        rerun_under_interpreter(__file__)
 else:
     from dspark_serve.kernels import gathered_bias as gb
     from dspark_serve.kernels import nvfp4, nvfp4_ref

@@ -4,21 +4,15 @@ Reruns itself in a child process with TRITON_INTERPRET=1 (see tests/test_kernels
 truncates fp32 -> bf16 stores instead of rounding, so bf16 outputs are compared to within one bf16 ulp.
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from interpreter import INTERPRETED, rerun_under_interpreter
 
 if not INTERPRETED:
     def test_gemv_under_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                           env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+        rerun_under_interpreter(__file__)
 else:
     from dspark_serve.kernels import nvfp4_ref
     from dspark_serve.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
