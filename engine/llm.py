@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +110,9 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
-                 | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+                 | None = None, progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in prompt order. `progress(done,
+        total)` is called whenever requests finish."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, Sequence) else [params] * len(prompts)
@@ -121,6 +122,8 @@ class LLM:
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
+                    if progress is not None:
+                        progress(len(final), len(ids))
         return [final[i] for i in ids]
 
     async def generate_stream(self, prompt: str | list[int], params: SamplingParams | None = None,

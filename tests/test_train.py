@@ -22,6 +22,7 @@ from dspark_serve.train.cli import main as train_main
 from dspark_serve.train.data import CHAT_TEMPLATE, load_prompts
 from dspark_serve.train.draft_init import build_target_layer_ids, default_mask_token_id, new_draft, used_vocab_size
 from dspark_serve.train.loss import dspark_loss
+from dspark_serve.train.trainer import TrainConfig, lr_at
 
 
 def _inference_block(draft, feats, anchor, ids):
@@ -176,3 +177,52 @@ def test_train_draft_tiny_run_learns_and_stays_lossless(tmp_path):
     base = LLM(tgt, untrained, device="cpu").generate(prompts, params)
     assert [o.token_ids for o in base] == [o.token_ids for o in plain]
     assert _mean_tau(spec) > _mean_tau(base) + 0.5
+
+
+def test_regenerate_only_then_train_from_responses(tmp_path):
+    target, _ = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.float32)
+    target_dir = save_target(target, tmp_path / "target")
+    rng = random.Random(1)
+    data = tmp_path / "prompts.ids"
+    prompts = [[rng.randrange(250) for _ in range(rng.randint(4, 12))] for _ in range(16)]
+    data.write_text("\n".join(" ".join(map(str, p)) for p in prompts))
+    regen = tmp_path / "regen"
+    common = ["--target", str(target_dir), "--data-format", "ids", "--device", "cpu", "--response-len", "12"]
+    # a deadline already past: only the first round (8 x --gen-batch prompts) runs
+    assert train_main(common + ["--data", str(data), "--out", str(regen), "--regenerate-only", "--gen-batch", "1",
+                                "--max-regen-minutes", "0"]) == 0
+    rows = [json.loads(line) for line in (regen / "prompts.jsonl").read_text().splitlines()]
+    assert [r["prompt_ids"] for r in rows] == prompts[:8]
+    assert not (regen / "model.safetensors").exists()
+    plain = LLM(load_target(target_dir), None, device="cpu").generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=12))
+    assert [r["response_ids"] for r in rows] == [list(o.token_ids) for o in plain]
+
+    out = tmp_path / "draft"
+    assert train_main(common + ["--responses", str(regen / "prompts.jsonl"), "--out", str(out), "--draft-layers", "1",
+                                "--block-size", "4", "--markov-rank", "16", "--steps", "3", "--batch-size", "2",
+                                "--num-anchors", "4", "--no-shared-copies"]) == 0
+    assert len((out / "train_log.jsonl").read_text().splitlines()) == 3
+    load_draft(out, target=load_target(target_dir))
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt_ids": [1, 2]}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: needs 'prompt_ids' and 'response_ids'"):
+        train_main(common + ["--responses", str(bad), "--out", str(out)])
+    bad.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [999]}) + "\n")
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 256\)"):
+        train_main(common + ["--responses", str(bad), "--out", str(out)])
+    with pytest.raises(SystemExit):
+        train_main(common + ["--out", str(out)])  # neither --data nor --responses
+
+
+def test_lr_schedule_steps_and_time_boxed():
+    cfg = TrainConfig(lr=1.0, warmup_ratio=0.1)
+    lrs = [lr_at(s, 100, cfg) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[10] == pytest.approx(1.0) and lrs[55] == pytest.approx(0.5) and lrs[99] < 1e-3
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    boxed = TrainConfig(lr=1.0, warmup_ratio=0.1, max_minutes=1.0)
+    # 10 000 nominal steps, but the clock says the run is half over: the decay follows the clock
+    assert lr_at(50, 10_000, boxed, elapsed_s=33.0) == pytest.approx(0.5)
+    assert lr_at(51, 10_000, boxed, elapsed_s=60.0) == pytest.approx(0.0)
+    assert lr_at(0, 10_000, boxed, elapsed_s=0.0) < 0.01  # warming up

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,14 +17,17 @@ from dspark_serve.models.tokenizer import eos_token_ids, load_tokenizer
 
 from .data import FORMATS, load_prompts
 from .draft_init import default_mask_token_id, new_draft, used_vocab_size
-from .target_pass import regenerate, write_prompts
+from .target_pass import read_prompts, regenerate, write_prompts
 from .trainer import TrainConfig, train
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-serve train-draft", description=__doc__)
     p.add_argument("--target", required=True, help="target checkpoint directory (HF format, with tokenizer)")
-    p.add_argument("--data", required=True, action="append", help="prompt file (repeatable)")
+    p.add_argument("--data", action="append", help="prompt file (repeatable)")
+    p.add_argument("--responses", help="a prompts.jsonl from an earlier run: train on its prompts and responses "
+                                       "without regenerating")
+    p.add_argument("--regenerate-only", action="store_true", help="write prompts.jsonl and stop (no training)")
     p.add_argument("--out", required=True, help="output draft directory (DeepSpec format)")
     p.add_argument("--data-format", default="auto", choices=FORMATS, help="ids: one prompt of token ids a line")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the Qwen chat template")
@@ -31,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-len", type=int, default=1024)
     p.add_argument("--response-len", type=int, default=256, help="tokens the target regenerates per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0: greedy)")
+    p.add_argument("--max-regen-minutes", type=float,
+                   help="stop regenerating after this many minutes (keeps the prompts done so far)")
     p.add_argument("--gen-batch", type=int, default=64, help="sequences decoded at once while regenerating")
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--block-size", type=int, default=7)
@@ -58,20 +64,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.data and not args.responses:
+        parser.error("give --data (prompt files) or --responses (a prompts.jsonl from an earlier run)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target_dir, out = Path(args.target), Path(args.out)
     target = load_target(target_dir, dtype=None if device == "cuda" else torch.float32, device=device)
     tok = load_tokenizer(target_dir) if args.data_format != "ids" else None
     vocab = target.config.vocab_size
-    prompts = load_prompts(args.data, tok, args.data_format, args.chat, args.max_prompt_len, vocab)
-    prompts = prompts[:args.max_prompts] if args.max_prompts else prompts
-    print(f"train-draft: {len(prompts)} prompts; regenerating up to {args.response_len} tokens each",
-          file=sys.stderr)
-    eos = tuple(eos_token_ids(target_dir))
-    responses = regenerate(target, prompts, args.response_len, args.temperature, eos, args.seed, args.gen_batch)
     out.mkdir(parents=True, exist_ok=True)
-    write_prompts(out / "prompts.jsonl", prompts, responses)
+    if args.responses:
+        prompts, responses = read_prompts(Path(args.responses), vocab)
+        prompts, responses = (prompts[:args.max_prompts], responses[:args.max_prompts]) if args.max_prompts \
+            else (prompts, responses)
+        print(f"train-draft: {len(prompts)} prompts with responses from {args.responses}", file=sys.stderr)
+    else:
+        prompts = load_prompts(args.data, tok, args.data_format, args.chat, args.max_prompt_len, vocab)
+        prompts = prompts[:args.max_prompts] if args.max_prompts else prompts
+        print(f"train-draft: {len(prompts)} prompts; regenerating up to {args.response_len} tokens each",
+              file=sys.stderr)
+        eos = tuple(eos_token_ids(target_dir))
+        t0 = time.perf_counter()
+        responses = regenerate(target, prompts, args.response_len, args.temperature, eos, args.seed,
+                               args.gen_batch, args.max_regen_minutes)
+        prompts = prompts[:len(responses)]
+        n = sum(len(r) for r in responses)
+        print(f"train-draft: regenerated {n} tokens in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        write_prompts(out / "prompts.jsonl", prompts, responses)
+    if args.regenerate_only:
+        print(f"train-draft: wrote {out / 'prompts.jsonl'} (--regenerate-only)", file=sys.stderr)
+        return 0
     seqs = [(torch.tensor(p + r), torch.tensor([False] * len(p) + [True] * len(r))) for p, r in zip(prompts, responses)]
     mask_id = args.mask_token_id if args.mask_token_id is not None else \
         default_mask_token_id(vocab, used_vocab_size(tok) if tok else None)

@@ -39,12 +39,16 @@ class TrainConfig:
     seed: int = 0
 
 
-def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup_ratio of the steps, then cosine or linear decay to 0."""
-    warm = max(1, int(round(cfg.warmup_ratio * total)))
-    if step < warm:
-        return cfg.lr * (step + 1) / warm
-    frac = (step - warm) / max(1, total - warm)
+def lr_at(step: int, total: int, cfg: TrainConfig, elapsed_s: float = 0.0) -> float:
+    """Linear warmup over warmup_ratio of the run, then cosine or linear decay to 0. The run's progress is
+    step / total, or the elapsed share of max_minutes when that is further along (a time-boxed run decays fully)."""
+    progress = step / total
+    if cfg.max_minutes is not None:
+        progress = max(progress, elapsed_s / (60 * cfg.max_minutes))
+    warm = max(progress, (step + 1) / total)
+    if warm < cfg.warmup_ratio:
+        return cfg.lr * warm / cfg.warmup_ratio
+    frac = min(1.0, max(0.0, (progress - cfg.warmup_ratio) / (1 - cfg.warmup_ratio)))
     return cfg.lr * (0.5 * (1 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1 - frac)
 
 
@@ -109,7 +113,7 @@ def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Te
             break
         while len(order) < cfg.batch_size:
             order += torch.randperm(len(seqs), generator=gen).tolist()
-        lr = lr_at(step, total, cfg)
+        lr = lr_at(step, total, cfg, time.perf_counter() - t0)
         for g in opt.param_groups:
             g["lr"] = lr
         picked, order = order[:cfg.batch_size], order[cfg.batch_size:]

@@ -1,0 +1,127 @@
+"""The real demo pair (Qwen2.5-Coder-0.5B-Instruct + the shipped DSpark drafter) on held-out prompts:
+tau and per-position acceptance (greedy and T = 1, code and prose), greedy agreement with plain decoding, and
+batch-1 plain vs speculative tokens/s (optionally against transformers' static-cache + torch.compile generate),
+measured in one run.
+
+usage: python bench/bench_pair.py [--target DIR] [--draft DIR] [--accept-batch 32] [--max-tokens 256]
+                                  [--speed-prompts 8] [--hf-baseline] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from dspark_serve.engine.llm import LLM
+from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
+from dspark_serve.train.data import CHAT_TEMPLATE, read_prompt_texts
+
+PROMPTS = Path(__file__).resolve().parent / "prompts"
+
+
+def acceptance(outs: list) -> dict:
+    steps = sum(o.stats["steps"] for o in outs)
+    accepted = sum(o.stats["accepted"] for o in outs)
+    per_pos = [sum(col) for col in zip(*(o.stats["per_position_accepted"] for o in outs))]
+    return {"tau": (accepted + steps) / max(steps, 1), "steps": steps,
+            "per_position": [a / max(steps, 1) for a in per_pos]}  # P(position i accepted) per step
+
+
+def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list]:
+    if llm.target.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = [llm.generate([p], params)[0] for p in prompts]  # batch 1, one after another
+    if llm.target.device.type == "cuda":
+        torch.cuda.synchronize()
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), outs
+
+
+def hf_baseline(target: Path, prompts: list[str], max_tokens: int) -> float:
+    """transformers' generate with a static cache (compiled by generate) at batch 1, greedy."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).cuda().eval()
+    kw = dict(do_sample=False, max_new_tokens=max_tokens, cache_implementation="static")
+    ids = [tok(p, return_tensors="pt").input_ids.cuda() for p in prompts]
+    for x in ids[:2]:  # warm-up: compiles
+        model.generate(x, **kw)
+    torch.cuda.synchronize()
+    t0, n = time.perf_counter(), 0
+    for x in ids:
+        n += model.generate(x, **kw).shape[1] - x.shape[1]
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(demo_target_dir()))
+    ap.add_argument("--draft", default=str(DEMO_DRAFTER))
+    ap.add_argument("--sets", nargs="+", default=["code", "prose"])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--accept-prompts", type=int, default=64, help="held-out prompts per set for tau")
+    ap.add_argument("--accept-batch", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--speed-prompts", type=int, default=8, help="code prompts timed at batch 1 (0: skip)")
+    ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' compiled generate")
+    ap.add_argument("--device")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the checkpoint's on CUDA, fp32 on CPU")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    dtype = getattr(torch, args.dtype) if args.dtype else (None if cuda else torch.float32)
+    kv = dict(device=args.device, dtype=dtype, max_num_seqs=args.accept_batch,
+              num_kv_blocks=args.accept_batch * -(-(1200 + args.max_tokens) // 16))
+    plain, spec = LLM(args.target, None, **kv), LLM(args.target, args.draft, **kv)
+    sets = {s: [CHAT_TEMPLATE.format(t) for t in read_prompt_texts(PROMPTS / f"heldout_{s}.jsonl")]
+            for s in args.sets}
+    result: dict = {"device": torch.cuda.get_device_name() if spec.target.device.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "max_tokens": args.max_tokens, "acceptance": [], "speed": None}
+    for name, prompts in sets.items():
+        prompts = prompts[:args.accept_prompts]
+        for temp in args.temperatures:
+            params = [SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=i) for i in range(len(prompts))]
+            t0 = time.perf_counter()
+            outs = spec.generate(prompts, params)
+            row = {"set": name, "temperature": temp, "prompts": len(prompts), **acceptance(outs),
+                   "seconds": time.perf_counter() - t0}
+            if temp == 0:
+                ref = plain.generate(prompts, params)
+                row["greedy_identical"] = sum(a.token_ids == b.token_ids for a, b in zip(outs, ref)) / len(outs)
+            result["acceptance"].append(row)
+            print(f"{name:>5} T={temp:g}: tau {row['tau']:.2f} over {row['steps']} steps "
+                  f"({row['seconds']:.1f} s) identical {row.get('greedy_identical', '-')}", flush=True)
+    if args.speed_prompts:
+        prompts = sets.get("code", next(iter(sets.values())))[:args.speed_prompts]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        timed(plain, prompts[:1], params), timed(spec, prompts[:1], params)  # warm-up
+        plain_tps, _ = timed(plain, prompts, params)
+        spec_tps, outs = timed(spec, prompts, params)
+        speed = {"prompts": len(prompts), "plain_tok_s": plain_tps, "spec_tok_s": spec_tps,
+                 "tau": acceptance(outs)["tau"], "speedup": spec_tps / plain_tps}
+        if args.hf_baseline:
+            speed["hf_compiled_tok_s"] = hf_baseline(Path(args.target), prompts, args.max_tokens)
+            speed["spec_over_hf"] = spec_tps / speed["hf_compiled_tok_s"]
+            speed["plain_over_hf"] = plain_tps / speed["hf_compiled_tok_s"]
+        result["speed"] = speed
+    print(f"{'set':>5} {'T':>3} {'tau':>5}  per-position acceptance")
+    for r in result["acceptance"]:
+        print(f"{r['set']:>5} {r['temperature']:>3g} {r['tau']:>5.2f}  " + " ".join(f"{p:.2f}" for p in r["per_position"]))
+    if result["speed"]:
+        s = result["speed"]
+        print(f"batch 1, {s['prompts']} code prompts: plain {s['plain_tok_s']:.1f} tok/s, speculative "
+              f"{s['spec_tok_s']:.1f} tok/s (tau {s['tau']:.2f}, {s['speedup']:.2f}x)"
+              + (f"; transformers compiled {s['hf_compiled_tok_s']:.1f} tok/s" if "hf_compiled_tok_s" in s else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
