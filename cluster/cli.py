@@ -9,6 +9,10 @@ import time
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if not args.tiny:
+        from .demo import run_demo
+
+        return run_demo(args)
     from dspark_serve.engine.llm import LLM
     from dspark_serve.engine.sampling_params import SamplingParams
     from dspark_serve.models.random_init import random_pair
@@ -19,7 +23,7 @@ def _demo(args: argparse.Namespace) -> int:
               "written as HF + DeepSpec checkpoints and loaded back")
         plain, spec = LLM(tdir, None, device="cpu"), LLM(tdir, ddir, device="cpu")
         prompts = [[1, 2, 3, 4], [10, 20, 30], [7] * 9]
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens or 48, ignore_eos=True)
         timings = []
         for llm in (plain, spec):
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
@@ -181,9 +185,17 @@ def _delegate(name: str, argv: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="speculative vs plain decoding on a tiny constructed pair")
-    demo.add_argument("--max-tokens", type=int, default=48)
-    demo.add_argument("--seed", type=int, default=0)
+    demo = sub.add_parser("demo", help="the demo pair (Qwen2.5-Coder-0.5B + the shipped DSpark drafter) behind the "
+                                       "service: streams completions, prints tau and the speedup over plain decoding")
+    demo.add_argument("--max-tokens", type=int, help="per completion (default 128; 48 with --tiny)")
+    demo.add_argument("--num-prompts", type=int, default=3)
+    demo.add_argument("--target", help="target directory (default: fetch the demo target into the user cache)")
+    demo.add_argument("--draft", help="draft directory (default: the drafter shipped in the package)")
+    demo.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    demo.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the service")
+    demo.add_argument("--tiny", action="store_true",
+                      help="in-process, on a tiny constructed pair (random weights; no download, seconds on CPU)")
+    demo.add_argument("--seed", type=int, default=0, help="--tiny: the pair's seed")
     demo.set_defaults(func=_demo)
     g = sub.add_parser("generate", help="generate in-process (no server); without --draft it decodes plainly")
     g.add_argument("--target", help="target checkpoint directory (HF format), for in-process generation")

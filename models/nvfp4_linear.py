@@ -51,7 +51,15 @@ class NVFP4Linear(nn.Module):
             out = w4a16_gemm(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.weight_scale_2)
             out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
             return out if self.bias is None else out + self.bias
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        return F.linear(x, self._cpu_weight(x.dtype), self.bias)
+
+    def _cpu_weight(self, dtype: torch.dtype) -> Tensor:
+        """The dequantized weight, kept while the NVFP4 buffers are unchanged (tensor version counters)."""
+        key = (dtype, self.weight.device, self.weight._version, self.weight_scale._version,
+               self.weight_scale_2._version, self.weight.data_ptr())
+        if getattr(self, "_cached_key", None) != key:
+            self._cached, self._cached_key = self.dequantized_weight(dtype), key
+        return self._cached
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4 (group 16)"

@@ -70,7 +70,7 @@ def test_bad_speculative_config_json_is_rejected_before_any_work(cmd):
 
 
 def test_demo_runs_and_speculation_is_lossless():
-    proc = _cli("demo", "--max-tokens", "16")
+    proc = _cli("demo", "--tiny", "--max-tokens", "16")
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if "identical to plain greedy" in ln]
     assert len(lines) == 3 and all(ln.endswith("True") for ln in lines)

@@ -113,3 +113,17 @@ def test_checkpoint_roundtrip_and_swap(tmp_path):
     torch.testing.assert_close(out, deq)
     with pytest.raises(ValueError, match="lacks"):
         q.swap_in_nvfp4(_Tiny(), {}, {"fc"})
+
+
+def test_nvfp4_linear_cpu_weight_cache_follows_buffer_writes():
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 32), torch.randn(8, 32)
+    layer = NVFP4Linear.from_linear(torch.nn.Linear(32, 8, bias=False).requires_grad_(False).float())
+    x = torch.randn(3, 32)
+    packed, scale, scale_2 = nvfp4.quantize(a)
+    layer.weight.copy_(packed), layer.weight_scale.copy_(scale), layer.weight_scale_2.copy_(scale_2)
+    assert torch.equal(layer(x), x @ nvfp4.dequantize(packed, scale, scale_2).T)
+    packed, scale, scale_2 = nvfp4.quantize(b)  # in-place writes must not leave a stale dequantized weight
+    layer.weight.copy_(packed), layer.weight_scale.copy_(scale), layer.weight_scale_2.copy_(scale_2)
+    assert torch.equal(layer(x), x @ nvfp4.dequantize(packed, scale, scale_2).T)
+    assert torch.equal(layer(x.double()), x.double() @ nvfp4.dequantize(packed, scale, scale_2, torch.float64).T)

@@ -1,0 +1,115 @@
+"""`dspark-serve demo`: the demo pair behind the real service. Fetches the target on first use, starts the
+draft and verifier actors with the gRPC gateway (`dspark-serve serve` in a child process), streams a few
+completions, and times each prompt again with speculation disabled on the same server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = (
+    'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same forwards and backwards, ignoring '
+    'case and non-alphanumeric characters."""\n',
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    'def parse_csv_line(line, sep=","):\n    """Split one CSV line into fields, honouring double-quoted fields."""\n',
+    "The Great Barrier Reef is the world's largest coral reef system.",
+)
+READY = re.compile(r"serving dspark.v1.Generation on (\S+:\d+)")
+
+
+def _start_server(target: Path, draft: Path, cuda: bool, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(target), "--draft", str(draft),
+           "--host", "127.0.0.1", "--port", "0", "--max-model-len", "2048", "--num-kv-blocks", "1024"]
+    cmd += [] if cuda else ["--device", "cpu", "--dtype", "float32"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log, end = [], time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        log.append(line)
+        m = READY.search(line)
+        if m:
+            return proc, m.group(1)
+    _stop(proc)
+    raise RuntimeError("the server did not start:\n" + "".join(log[-30:]))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # drains, then stops the pair and Ray
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark_serve.models.demo import DEMO_DRAFTER
+    from dspark_serve.models.fetch import FetchError, fetch_demo_target
+    from dspark_serve.train.data import CHAT_TEMPLATE
+
+    from .client import DSparkClient
+
+    try:
+        target = Path(args.target) if args.target else fetch_demo_target()
+    except (FetchError, OSError) as e:
+        print(f"dspark-serve demo: error: could not fetch the demo target: {e}", file=sys.stderr)
+        return 1
+    draft = Path(args.draft) if args.draft else DEMO_DRAFTER
+    if not (draft / "config.json").is_file():
+        print(f"dspark-serve demo: error: no draft checkpoint at {draft}", file=sys.stderr)
+        return 1
+    cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
+    print(f"target {target}\ndraft  {draft}\nstarting Ray, the verifier and draft actors and the gateway ...",
+          flush=True)
+    proc, address = _start_server(target, draft, cuda, args.start_timeout)
+    client = DSparkClient(address)
+    totals = {"spec_tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0, "steps": 0, "accepted": 0}
+    try:
+        print(f"serving on {address}; warming up ...", flush=True)
+        for disable in (False, True):
+            client.generate(CHAT_TEMPLATE.format(PROMPTS[0]), max_tokens=4, temperature=0.0,
+                            disable_speculation=disable)
+        for n, text in enumerate(PROMPTS[:args.num_prompts], 1):
+            prompt = CHAT_TEMPLATE.format(text)
+            print(f"\n=== prompt {n}: {text.splitlines()[0][:80]}\n", flush=True)
+            t0, final = time.perf_counter(), None
+            for msg in client.stream(prompt, max_tokens=args.max_tokens or 128, temperature=0.0):
+                if msg.HasField("chunk"):
+                    print(msg.chunk.text, end="", flush=True)
+                elif msg.HasField("complete"):
+                    final = msg.complete
+            spec_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            plain = client.generate(prompt, max_tokens=args.max_tokens or 128, temperature=0.0,
+                                     disable_speculation=True)
+            plain_s = time.perf_counter() - t0
+            s = final.stats
+            spec_n, plain_n = len(final.output_ids), len(plain["token_ids"])
+            totals.update(spec_tokens=totals["spec_tokens"] + spec_n, spec_s=totals["spec_s"] + spec_s,
+                          plain_tokens=totals["plain_tokens"] + plain_n, plain_s=totals["plain_s"] + plain_s,
+                          steps=totals["steps"] + s.num_spec_steps, accepted=totals["accepted"] + s.num_accepted_tokens)
+            same = list(final.output_ids) == plain["token_ids"]
+            print(f"\n--- tau {s.mean_acceptance_length:.2f}; speculative {spec_n / spec_s:.1f} tok/s, plain "
+                  f"{plain_n / plain_s:.1f} tok/s ({plain_s / spec_s * spec_n / max(plain_n, 1):.2f}x); "
+                  f"identical to plain greedy: {same}", flush=True)
+        t = totals
+        spec_tps, plain_tps = t["spec_tokens"] / t["spec_s"], t["plain_tokens"] / t["plain_s"]
+        print(f"\nall prompts: tau {(t['steps'] + t['accepted']) / max(t['steps'], 1):.2f}, speculative "
+              f"{spec_tps:.1f} tok/s vs plain {plain_tps:.1f} tok/s: speedup {spec_tps / plain_tps:.2f}x "
+              f"({'GPU' if cuda else 'CPU'}, batch 1, through the gRPC service)")
+    finally:
+        client.close()
+        _stop(proc)
+    return 0

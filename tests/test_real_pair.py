@@ -1,0 +1,52 @@
+"""The real demo pair: Qwen2.5-Coder-0.5B-Instruct (`dspark-serve fetch`) + the shipped DSpark drafter.
+Marked slow; runs when the target is in the user cache (scripts/test.sh fetches it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark_serve.engine.llm import LLM
+from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
+from dspark_serve.models.nvfp4_linear import NVFP4Linear
+from dspark_serve.train.data import CHAT_TEMPLATE
+
+TARGET = demo_target_dir()
+HELDOUT = Path(__file__).resolve().parents[1] / "bench" / "prompts" / "heldout_code.jsonl"
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (TARGET / ".dspark-converted").is_file(),
+                                                   reason=f"demo target not cached at {TARGET} (dspark-serve fetch)")]
+
+
+def test_shipped_drafter_is_small_and_nvfp4():
+    files = [p for p in DEMO_DRAFTER.iterdir() if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 12 * 10**6
+    cfg = json.loads((DEMO_DRAFTER / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "modelopt"
+
+
+def test_real_pair_greedy_is_lossless_and_tau_above_2():
+    prompts = [CHAT_TEMPLATE.format(json.loads(line)["prompt"]) for line in HELDOUT.read_text().splitlines()[:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    kw = dict(device="cpu", dtype=torch.float32, num_kv_blocks=512, max_num_seqs=len(prompts))
+    spec_llm = LLM(TARGET, DEMO_DRAFTER, **kw)
+    assert any(isinstance(m, NVFP4Linear) for m in spec_llm.draft.model.modules())
+    spec = spec_llm.generate(prompts, params)
+    plain = LLM(TARGET, None, **kw).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    steps = sum(o.stats["steps"] for o in spec)
+    tau = (steps + sum(o.stats["accepted"] for o in spec)) / steps
+    assert tau > 2.0, tau
+
+
+def test_demo_command_streams_through_the_service():
+    proc = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", "demo", "--num-prompts", "1",
+                           "--max-tokens", "24", "--device", "cpu"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "identical to plain greedy: True" in proc.stdout
+    assert "all prompts: tau" in proc.stdout and "speedup" in proc.stdout
