@@ -14,6 +14,7 @@ from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.kernels.attention import AttentionMetadata
 from dspark_serve.models.draft_loader import load_draft
+from dspark_serve.models.quantize import quantize_checkpoint
 from dspark_serve.models.random_init import save_target, tiny_pair
 from dspark_serve.models.target_loader import load_target
 from dspark_serve.train.anchors import build_blocks, pack, sample_anchors
@@ -226,3 +227,32 @@ def test_lr_schedule_steps_and_time_boxed():
     assert lr_at(50, 10_000, boxed, elapsed_s=33.0) == pytest.approx(0.5)
     assert lr_at(51, 10_000, boxed, elapsed_s=60.0) == pytest.approx(0.0)
     assert lr_at(0, 10_000, boxed, elapsed_s=0.0) < 0.01  # warming up
+
+
+def test_init_draft_continues_training_from_dense_and_nvfp4_checkpoints(tmp_path):
+    target, _ = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.float32)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3.0)
+    target_dir = save_target(target, tmp_path / "target")
+    rng = random.Random(2)
+    data = tmp_path / "prompts.ids"
+    data.write_text("\n".join(" ".join(str(rng.randrange(250)) for _ in range(8)) for _ in range(8)))
+    common = ["--target", str(target_dir), "--data", str(data), "--data-format", "ids", "--device", "cpu",
+              "--response-len", "24", "--batch-size", "4", "--num-anchors", "16", "--lr", "1e-2",
+              "--no-shared-copies"]
+    first = tmp_path / "first"
+    assert train_main(common + ["--out", str(first), "--draft-layers", "1", "--block-size", "4",
+                                "--markov-rank", "16", "--steps", "60"]) == 0
+
+    def losses(d):
+        return [json.loads(line)["loss"] for line in (d / "train_log.jsonl").read_text().splitlines()]
+    quantized = tmp_path / "first-nvfp4"
+    quantize_checkpoint(first, quantized, include=("fc", "layers.*_proj"))
+    for init in (first, quantized):
+        more = tmp_path / f"more-{init.name}"
+        assert train_main(common + ["--out", str(more), "--init-draft", str(init), "--steps", "5"]) == 0
+        # it starts where the first run ended, far below a fresh draft's first loss
+        assert losses(more)[0] < 0.8 * losses(first)[0]
+        assert abs(losses(more)[0] - statistics.mean(losses(first)[-5:])) < 0.25 * losses(first)[0]
+        cfg = load_draft(more, target=load_target(target_dir)).config
+        assert (cfg.block_size, cfg.markov_rank, cfg.layers.num_layers) == (4, 16, 1)

@@ -16,7 +16,7 @@ from dspark_serve.models.target_loader import load_target
 from dspark_serve.models.tokenizer import eos_token_ids, load_tokenizer
 
 from .data import FORMATS, load_prompts
-from .draft_init import default_mask_token_id, new_draft, used_vocab_size
+from .draft_init import default_mask_token_id, new_draft, resume_draft, used_vocab_size
 from .target_pass import read_prompts, regenerate, write_prompts
 from .trainer import TrainConfig, train
 
@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-regen-minutes", type=float,
                    help="stop regenerating after this many minutes (keeps the prompts done so far)")
     p.add_argument("--gen-batch", type=int, default=64, help="sequences decoded at once while regenerating")
+    p.add_argument("--init-draft", help="continue training this draft checkpoint (its architecture wins over the "
+                                         "--draft-layers / --block-size / --markov-rank / layer-id flags)")
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--block-size", type=int, default=7)
     p.add_argument("--markov-rank", type=int, default=64)
@@ -99,15 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     mask_id = args.mask_token_id if args.mask_token_id is not None else \
         default_mask_token_id(vocab, used_vocab_size(tok) if tok else None)
     layer_ids = tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else None
-    draft = new_draft(target, args.draft_layers, args.block_size, args.markov_rank, layer_ids, mask_id,
-                      confidence=not args.no_confidence, seed=args.seed,
-                      intermediate_size=args.draft_intermediate_size)
+    if args.init_draft:
+        draft = resume_draft(args.init_draft, target)
+    else:
+        draft = new_draft(target, args.draft_layers, args.block_size, args.markov_rank, layer_ids, mask_id,
+                          confidence=not args.no_confidence, seed=args.seed,
+                          intermediate_size=args.draft_intermediate_size)
     cfg = TrainConfig(lr=args.lr, warmup_ratio=args.warmup_ratio, schedule=args.schedule, steps=args.steps,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors,
                       max_minutes=args.max_minutes,
                       cache_features=not args.no_feature_cache, log_every=args.log_every, seed=args.seed)
-    print(f"train-draft: draft {args.draft_layers} layers, block {args.block_size}, target layers "
-          f"{list(draft.config.target_layer_ids)}, mask id {mask_id}", file=sys.stderr)
+    dc = draft.config
+    print(f"train-draft: draft {dc.layers.num_layers} layers, block {dc.block_size}, target layers "
+          f"{list(dc.target_layer_ids)}, mask id {dc.mask_token_id}"
+          + (f", continuing {args.init_draft}" if args.init_draft else ""), file=sys.stderr)
     (out / "train_log.jsonl").unlink(missing_ok=True)
     log = train(draft, target, seqs, cfg, out / "train_log.jsonl")
     save_dtype = ModelConfig.from_dir(target_dir).dtype  # the target checkpoint's dtype (bf16 for Qwen)

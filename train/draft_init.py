@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 from torch import nn
 
 from dspark_serve.models.draft_config import QWEN3_MASK_TOKEN_ID, DraftConfig
+from dspark_serve.models.draft_loader import load_draft
 from dspark_serve.models.dspark import DSparkDraft
+from dspark_serve.models.nvfp4_linear import NVFP4Linear
 from dspark_serve.models.qwen import QwenForCausalLM
 
 INIT_STD = 0.02
@@ -71,6 +74,25 @@ def new_draft(target: QwenForCausalLM, num_layers: int = 2, block_size: int = 7,
         draft.lm_head.weight.copy_(target.lm_head.weight)
     freeze_shared(draft)
     return draft.to(target.lm_head.weight.device)
+
+
+def resume_draft(path: str | Path, target: QwenForCausalLM) -> DSparkDraft:
+    """An fp32, trainable draft from a checkpoint (any supported format; NVFP4 layers come back dequantized)."""
+    draft = load_draft(path, target=target, dtype=torch.float32)
+    if not draft.config.anchor_first:
+        raise ValueError(f"{path}: training continues anchor-first drafts only (DeepSpec layout)")
+    for name, mod in list(draft.named_modules()):
+        if isinstance(mod, NVFP4Linear):
+            dense = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            with torch.no_grad():
+                dense.weight.copy_(mod.dequantized_weight(torch.float32))
+                if mod.bias is not None:
+                    dense.bias.copy_(mod.bias.float())
+            parent, _, child = name.rpartition(".")
+            setattr(draft.get_submodule(parent) if parent else draft, child, dense)
+    draft = draft.float().to(target.lm_head.weight.device)
+    freeze_shared(draft)
+    return draft
 
 
 def freeze_shared(draft: DSparkDraft) -> list[nn.Parameter]:
