@@ -32,8 +32,10 @@ class LLM:
                  dtype: torch.dtype | None = None, device: str | None = None, block_size: int = 16,
                  num_kv_blocks: int = 2048, max_num_seqs: int = 64, max_model_len: int = 4096,
                  eos_token_ids: Sequence[int] | None = None, draft_side: Any = None,
-                 capture_layers: tuple[int, ...] = ()) -> None:
-        """`draft_side` (with `capture_layers`) plugs in a draft living elsewhere, e.g. behind the step channel."""
+                 capture_layers: tuple[int, ...] = (), enforce_eager: bool | None = None) -> None:
+        """`draft_side` (with `capture_layers`) plugs in a draft living elsewhere, e.g. behind the step channel.
+        `enforce_eager` (vLLM's name; default: True on CPU, False on CUDA): False runs decode/verify steps with
+        static shapes, captured as CUDA graphs on CUDA."""
         spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) else \
             SpeculativeConfig.from_json(speculative_config)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -56,6 +58,9 @@ class LLM:
         self.draft = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size) \
             if draft_model is not None else draft_side
         self.spec, self.max_model_len = spec, max_model_len
+        if not (self.target.device.type != "cuda" if enforce_eager is None else enforce_eager):
+            drafts = self.draft.num_speculative_tokens if self.draft is not None else 0
+            self.target.use_static_shapes((1, 1 + drafts) if drafts else (1,), max_model_len)
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         self.scheduler = Scheduler(self.target, self.draft, spec, max_num_seqs=max_num_seqs,
                                    eos_token_ids=tuple(eos_token_ids or ()), decode=decode)

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from dspark_serve.models.qwen import QwenForCausalLM
 
+from .cuda_graphs import TargetGraphs
 from .kv_cache import BlockAllocator, batch_metadata, positions_of
 from .request import Request
 
@@ -18,8 +19,14 @@ class TargetSide:
                  capture_layers: tuple[int, ...] = ()) -> None:
         self.model, self.block_size, self.capture_layers = model, block_size, capture_layers
         self.device = model.lm_head.weight.device
-        self.cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded tokens
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self.graphs: TargetGraphs | None = None
+
+    def use_static_shapes(self, query_lens: tuple[int, ...], max_model_len: int, capture: bool | None = None) -> None:
+        """Decode/verify steps that fit a bucket run with static shapes (as CUDA graphs on CUDA)."""
+        self.graphs = TargetGraphs(self.model, self.cache, self.block_size, self.allocator.num_blocks * self.block_size,
+                                   query_lens, max_model_len, self.capture_layers, capture=capture)
 
     @property
     def vocab_size(self) -> int:
@@ -35,6 +42,11 @@ class TargetSide:
         """
         starts = [r.num_computed for r in reqs]
         lens = [len(t) for t in tokens]
+        shape = self.graphs.shape_for(starts, lens) if self.graphs is not None and not last_only else None
+        if shape is not None:
+            logits, feats = self.graphs.run([r.target_blocks for r in reqs], starts, tokens, shape)
+            width = max(lens)
+            return logits[:, :width], [f[:n] for f, n in zip(feats, lens)] if feats is not None else [None] * len(reqs)
         meta = batch_metadata([r.target_blocks for r in reqs], starts, lens, self.block_size, self.device)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
         hidden, feats = self.model(ids, positions_of(starts, lens, self.device), meta, self.cache,

@@ -24,14 +24,20 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
+    all_slots_valid: bool = False  # no -1 in slot_mapping: the store needs no mask (and stays graph-capturable)
 
     @property
     def num_reqs(self) -> int:
         return self.seq_lens.shape[0]
 
 
-def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+             all_slots_valid: bool = False) -> None:
     """k, v [num_tokens, num_kv_heads, head_dim] -> cache [num_blocks, block_size, num_kv_heads, head_dim]."""
+    if all_slots_valid:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))

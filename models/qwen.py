@@ -25,7 +25,7 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         q = attn.query(h, cos, sin)
         k, v = attn.key_value(h, cos, sin)
-        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.all_slots_valid)
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, attn.scale)  # [T, H, D]
         x = x + attn.o_proj(o.reshape(x.shape[0], -1))
         return x + self.mlp(self.post_attention_layernorm(x))

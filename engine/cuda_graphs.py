@@ -1,0 +1,129 @@
+"""CUDA graphs for the target's decode and verify steps.
+
+Every step of a bucket has the same shapes: `batch` rows of `query_len` tokens each over `context` key slots.
+Short rows and missing requests are padded; padded tokens write their K/V to a reserved trash slot and their
+outputs are dropped. The step's metadata (ids, positions, slots, sequence lengths, block table) travels in one
+int64 buffer with one host-to-device copy, then the bucket's graph replays. On CPU the same static path runs
+eagerly: that is what the CPU tests compare with the dynamic path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from dspark_serve.kernels.attention import AttentionMetadata
+from dspark_serve.models.qwen import QwenForCausalLM
+
+
+@dataclass(frozen=True)
+class GraphBuckets:
+    batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    context: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # key slots attended per row
+
+
+def _bucket(n: int, sizes: tuple[int, ...]) -> int | None:
+    return next((s for s in sizes if s >= n), None)
+
+
+class TargetGraphs:
+    """Static-shape decode/verify for a target and its paged cache; `capture` records CUDA graphs lazily."""
+
+    def __init__(self, model: QwenForCausalLM, cache: Tensor, block_size: int, trash_slot: int,
+                 query_lens: tuple[int, ...], max_model_len: int, capture_layers: tuple[int, ...] = (),
+                 buckets: GraphBuckets = GraphBuckets(), capture: bool | None = None) -> None:
+        self.model, self.cache, self.block_size, self.trash = model, cache, block_size, trash_slot
+        self.capture_layers, self.query_lens = capture_layers, tuple(sorted(set(query_lens)))
+        self.device = cache.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        top = -(-max_model_len // block_size) * block_size
+        self.buckets = GraphBuckets(buckets.batch, tuple(c for c in buckets.context if c < top) + (top,))
+        b, q = max(self.buckets.batch), max(self.query_lens)
+        n = 3 * b * q + b + b * (top // block_size)
+        cuda = self.device.type == "cuda"
+        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
+        self.dev = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self._copied = torch.cuda.Event() if cuda else None
+        self._runners: dict[tuple[int, int, int], Callable[[], tuple[Tensor, Tensor | None]]] = {}
+        self._pool = None
+
+    def shape_for(self, starts: list[int], lens: list[int]) -> tuple[int, int, int] | None:
+        """(query_len, batch, context) bucket of a step, or None when it fits none (a prefill, say)."""
+        q = _bucket(max(lens), self.query_lens)
+        b = _bucket(len(lens), self.buckets.batch)
+        if q is None or b is None:
+            return None
+        c = _bucket(max(starts) + q, self.buckets.context)
+        return None if c is None else (q, b, c)
+
+    @torch.inference_mode()
+    def run(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]],
+            shape: tuple[int, int, int]) -> tuple[Tensor, Tensor | None]:
+        """-> logits [R, q, V] fp32 (rows past len(tokens[r]) are padding; valid until the next run) and
+        features [R, q, F] (an owned copy)."""
+        q, b, c = shape
+        self._upload(self._layout(block_tables, starts, tokens, q, b, c))
+        if shape not in self._runners:
+            self._runners[shape] = self._build(q, b, c)
+        logits, feats = self._runners[shape]()
+        r = len(tokens)
+        return logits.view(b, q, -1)[:r], feats.view(b, q, -1)[:r].clone() if feats is not None else None
+
+    def _layout(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]], q: int, b: int,
+                c: int) -> list[int]:
+        """[ids b*q | positions b*q | slots b*q | seq_lens b | block table b*(c/block_size)], padded."""
+        bs, w = self.block_size, c // self.block_size
+        ids, pos, slots, seq, table = [0] * (b * q), [0] * (b * q), [self.trash] * (b * q), [1] * b, [0] * (b * w)
+        for r, (blocks, start, toks) in enumerate(zip(block_tables, starts, tokens)):
+            n, o = len(toks), r * q
+            ids[o:o + n] = toks
+            pos[o:o + q] = range(start, start + q)
+            slots[o:o + n] = [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+            seq[r] = start + q
+            table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
+        return ids + pos + slots + seq + table
+
+    def _upload(self, values: list[int]) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        n = len(values)
+        self.host[:n] = torch.tensor(values, dtype=torch.int64)
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _build(self, q: int, b: int, c: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
+        w, n = c // self.block_size, b * q
+        d = self.dev
+        ids, pos, slots = d[:n], d[n:2 * n], d[2 * n:3 * n]
+        meta = AttentionMetadata(cu_seqlens_q=torch.arange(b + 1, device=self.device) * q,
+                                 seq_lens=d[3 * n:3 * n + b], slot_mapping=slots,
+                                 block_table=d[3 * n + b:3 * n + b + b * w].view(b, w), max_query_len=q,
+                                 max_seq_len=c, causal=True, all_slots_valid=True)
+
+        def forward() -> tuple[Tensor, Tensor | None]:
+            hidden, feats = self.model(ids, pos, meta, self.cache, capture_layers=self.capture_layers)
+            return self.model.compute_logits(hidden), feats
+        if not self.capture:
+            return forward
+        step = self.dev[:3 * n + b + b * w].clone()  # this step's metadata; capture runs on padding only
+        self._upload(self._layout([], [], [], q, b, c))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = forward()
+        self._pool = graph.pool()
+        self.dev[:step.numel()].copy_(step)
+
+        def replay() -> tuple[Tensor, Tensor | None]:
+            graph.replay()
+            return out
+        return replay

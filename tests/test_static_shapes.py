@@ -1,0 +1,71 @@
+"""Static-shape decode/verify (engine/cuda_graphs.py) run eagerly on CPU: the same logits and the same outputs as
+the dynamic path, with padded batches, padded verify rows, context buckets crossed mid-request, and KV growth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_serve.engine.llm import LLM
+from dspark_serve.engine.request import Request
+from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.engine.target_side import TargetSide
+from dspark_serve.models.random_init import tiny_pair
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    lens = [1, 4, 9, 30, 250]  # the last one crosses the 256-slot context bucket while decoding
+    return [torch.randint(0, 250, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("with_draft", [True, False])
+def test_static_path_outputs_equal_dynamic_path(temperature, with_draft):
+    target, draft = tiny_pair(seed=4, agree=0.01, block_size=6, dtype=torch.float32)
+    draft = draft if with_draft else None
+    prompts = _prompts()
+    params = [SamplingParams(temperature=temperature, max_tokens=40, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    kw = dict(device="cpu", block_size=8, num_kv_blocks=200, max_model_len=512)
+    dynamic = LLM(target, draft, enforce_eager=True, **kw)
+    static = LLM(target, draft, enforce_eager=False, **kw)
+    assert dynamic.target.graphs is None and static.target.graphs is not None
+    for batch in (prompts[:3], prompts):  # 3 requests pad to a batch bucket of 4
+        want = dynamic.generate(batch, params[:len(batch)])
+        got = static.generate(batch, params[:len(batch)])
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    shapes = set(static.target.graphs._runners)
+    q = 7 if with_draft else 1  # anchor + 6 drafts
+    assert {(q, 4, 256), (q, 8, 512)} <= shapes, shapes  # both batch buckets; the long prompt's context bucket
+    if with_draft:
+        assert sum(o.stats["accepted"] for o in got) > 0
+
+
+def test_static_verify_logits_and_features_match_dynamic():
+    target, draft = tiny_pair(seed=2, agree=0.01, block_size=4, dtype=torch.float32)
+    layers = draft.config.target_layer_ids
+    sides = [TargetSide(target, 64, 8, capture_layers=layers) for _ in range(2)]
+    sides[1].use_static_shapes((1, 4), max_model_len=128)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (5, 17, 3)]
+    outs = []
+    for side in sides:
+        reqs = []
+        for i, p in enumerate(prompts):
+            r = Request(str(i), p, SamplingParams(max_tokens=8), seed=0, num_speculative_tokens=3)
+            r.target_blocks = side.allocator.allocate(len(p) + 8)
+            reqs.append(r)
+        side.run(reqs, [r.prompt_ids for r in reqs], last_only=True)  # prefill (dynamic in both)
+        for r in reqs:
+            r.num_computed = len(r.prompt_ids)
+        verify = [[7, 8, 9], [1], [4, 5, 6, 7]]  # rows of 3, 1 and 4 tokens
+        outs.append(side.run(reqs, verify, last_only=False))
+    (la, fa), (lb, fb) = outs
+    assert la.shape == lb.shape == (3, 4, target.config.vocab_size)
+    for r, n in enumerate([3, 1, 4]):
+        assert torch.allclose(la[r, :n], lb[r, :n], atol=1e-5, rtol=1e-5)
+        assert torch.allclose(fa[r], fb[r], atol=1e-5, rtol=1e-5) and fb[r].shape[0] == n
+    # the verify wrote K/V for real tokens only: both caches agree on every live block, the trash block aside
+    live = sides[0].allocator.num_blocks
+    assert torch.allclose(sides[0].cache[:, :, :live], sides[1].cache[:, :, :live], atol=1e-6)
