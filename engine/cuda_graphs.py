@@ -21,7 +21,7 @@ from dspark_serve.models.qwen import QwenForCausalLM
 
 @dataclass(frozen=True)
 class GraphBuckets:
-    batch: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    batch: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
     context: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # key slots attended per row
 
 

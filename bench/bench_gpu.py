@@ -1,0 +1,193 @@
+"""The GPU step benchmark (issue 8): copy bandwidth, plain decode against the weight-bytes floor, a 1 + 7 verify
+step against a plain step, and the DSpark draft block against the verify step, on random weights at Qwen3-8B and
+Qwen3-0.6B shapes. Each row times the engine's own TargetSide / DraftSide calls (host metadata included), with
+CUDA graphs (static shapes) and eagerly. Prints a table and writes JSON.
+
+usage: python bench/bench_gpu.py [--models 8b 0.6b] [--batch 1 8 32 64] [--context 512] [--json OUT]
+       python bench/bench_gpu.py --tiny --device cpu     # the same code path on tiny shapes (a CI smoke test)
+The real-pair end-to-end numbers are bench/bench_pair.py; two GPUs through the actors are bench/bench_channel.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dspark_serve.engine.draft_side import DraftInput, DraftSide
+from dspark_serve.engine.request import Request
+from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.engine.spec_config import SpeculativeConfig
+from dspark_serve.engine.target_side import TargetSide
+from dspark_serve.models.config import ModelConfig
+from dspark_serve.models.draft_config import DraftConfig
+from dspark_serve.models.dspark import DSparkDraft
+from dspark_serve.models.nvfp4_linear import NVFP4Linear
+from dspark_serve.models.qwen import QwenForCausalLM
+
+SHAPES = {  # name: (hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, tied)
+    "8b": (4096, 36, 32, 8, 128, 12288, 151936, False),
+    "0.6b": (1024, 28, 16, 8, 128, 3072, 151936, True),
+    "tiny": (64, 2, 4, 2, 16, 128, 512, False),
+}
+DRAFT_LAYERS = {"8b": 5, "0.6b": 2, "tiny": 1}
+BLOCK = 16
+
+
+def target_config(name: str, dtype: torch.dtype) -> ModelConfig:
+    h, n, heads, kv, hd, inter, vocab, tied = SHAPES[name]
+    return ModelConfig(arch="qwen3", vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_layers=n,
+                       num_heads=heads, num_kv_heads=kv, head_dim=hd, rms_norm_eps=1e-6, rope_theta=1e6,
+                       max_position=40960, tie_word_embeddings=tied, attention_bias=False, dtype=dtype)
+
+
+def random_module(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    module = module.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02)
+    return module
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device: str, iters: int) -> float:
+    fn(), fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy, bytes read + written per second (GB/s)."""
+    n = (1 << 30) if device.startswith("cuda") else (64 << 20)
+    a, b = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    ms = time_ms(lambda: b.copy_(a), device, 20)
+    return 2 * n / ms / 1e6
+
+
+def requests(batch: int, context: int, n_draft: int) -> list[Request]:
+    reqs = []
+    for i in range(batch):
+        r = Request(str(i), [1] * context, SamplingParams(temperature=0.0, max_tokens=64), seed=i,
+                    num_speculative_tokens=n_draft)
+        r.num_computed = context
+        reqs.append(r)
+    return reqs
+
+
+def bench_target(name: str, batches: list[int], context: int, device: str, dtype: torch.dtype, iters: int,
+                 gbps: float) -> list[dict]:
+    cfg = target_config(name, dtype)
+    model = random_module(QwenForCausalLM(cfg), device, dtype).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    floor_ms = weight_bytes / gbps / 1e6
+    need = max(batches) * -(-(context + 16) // BLOCK)
+    rows = []
+    for static in (True, False):
+        side = TargetSide(model, need, BLOCK)
+        if static:
+            side.use_static_shapes((1, 8), max_model_len=context + 64)
+        for batch in batches:
+            reqs = requests(batch, context, 7)
+            for r in reqs:
+                r.target_blocks = side.allocator.allocate(context + 16)
+            plain = time_ms(lambda: side.run(reqs, [[5]] * batch, last_only=False), device, iters)
+            verify = time_ms(lambda: side.run(reqs, [[5] * 8] * batch, last_only=False), device, iters)
+            for r in reqs:
+                side.allocator.free(r.target_blocks)
+            rows.append({"model": name, "graphs": static, "batch": batch, "context": context, "plain_ms": plain,
+                         "plain_tok_s": batch / plain * 1e3, "floor_ms": floor_ms, "pct_of_floor": floor_ms / plain,
+                         "verify_ms": verify, "verify_over_plain": verify / plain})
+    del model
+    return rows
+
+
+def bench_draft(name: str, batches: list[int], context: int, device: str, dtype: torch.dtype, iters: int,
+                topks: list[int], verify_ms: dict[int, float]) -> list[dict]:
+    tcfg = target_config(name, dtype)
+    n_layers = DRAFT_LAYERS[name]
+    layers = replace(tcfg, num_layers=n_layers, tie_word_embeddings=False)
+    ids = tuple(round(1 + i * (tcfg.num_layers - 4) / max(1, n_layers - 1)) for i in range(n_layers))
+    dcfg = DraftConfig(layers=layers, format="deepspec", block_size=7, target_layer_ids=ids,
+                       mask_token_id=tcfg.vocab_size - 1, anchor_first=True, target_hidden_size=tcfg.hidden_size,
+                       draft_vocab_size=tcfg.vocab_size, markov_rank=256 if name != "tiny" else 16,
+                       enable_confidence_head=True)
+    rows = []
+    for fmt in ("bf16", "nvfp4"):
+        draft = random_module(DSparkDraft(dcfg), device, dtype).eval()
+        if fmt == "nvfp4":
+            for mod_name, mod in list(draft.named_modules()):
+                if isinstance(mod, torch.nn.Linear) and (mod_name == "fc" or "_proj" in mod_name
+                                                         or mod_name.endswith("markov_w2")):
+                    parent, _, child = mod_name.rpartition(".")
+                    setattr(draft.get_submodule(parent) if parent else draft, child, NVFP4Linear.from_linear(mod))
+        for topk in topks:
+            spec = SpeculativeConfig(dspark_draft_topk=topk)
+            for batch in batches:
+                side = DraftSide(draft, batch * -(-(context + 16) // BLOCK), BLOCK, spec, tcfg.vocab_size)
+                tables = [side.allocator.allocate(context + 16) for _ in range(batch)]
+                width = max(len(t) for t in tables)
+                inp = DraftInput(anchors=torch.full((batch,), 5), anchor_pos=torch.full((batch,), context),
+                                 ctx_start=torch.full((batch,), context), ctx_len=torch.zeros(batch, dtype=torch.int64),
+                                 features=None, block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                                 temperature=torch.zeros(batch), seeds=torch.arange(batch))
+                ms = time_ms(lambda: side.propose(inp), device, iters)
+                v = verify_ms.get(batch)
+                rows.append({"model": name, "draft_layers": n_layers, "format": fmt, "topk": topk, "batch": batch,
+                             "draft_ms": ms, "verify_ms": v, "draft_over_verify": ms / v if v else None})
+        del draft
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["8b", "0.6b"], choices=list(SHAPES))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--topk", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes, few iterations (smoke test)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.models, args.batch, args.context, args.topk, args.iters = ["tiny"], [1, 3], 40, [8], 2
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    gbps = copy_bandwidth(args.device)
+    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "copy_GBps": gbps, "target": [], "draft": []}
+    print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
+    for name in args.models:
+        rows = bench_target(name, args.batch, args.context, args.device, dtype, args.iters, gbps)
+        result["target"] += rows
+        verify = {r["batch"]: r["verify_ms"] for r in rows if r["graphs"]}
+        result["draft"] += bench_draft(name, args.batch, args.context, args.device, dtype, args.iters, args.topk,
+                                       verify)
+    print(f"{'model':>5} {'graphs':>6} {'batch':>5} {'plain ms':>9} {'tok/s':>9} {'floor ms':>9} {'%floor':>7} "
+          f"{'verify ms':>10} {'v/p':>5}")
+    for r in result["target"]:
+        print(f"{r['model']:>5} {str(r['graphs']):>6} {r['batch']:>5} {r['plain_ms']:>9.3f} {r['plain_tok_s']:>9.1f} "
+              f"{r['floor_ms']:>9.3f} {100 * r['pct_of_floor']:>6.1f}% {r['verify_ms']:>10.3f} "
+              f"{r['verify_over_plain']:>5.2f}")
+    print(f"{'model':>5} {'fmt':>5} {'topk':>4} {'batch':>5} {'draft ms':>9} {'draft/verify':>12}")
+    for r in result["draft"]:
+        ratio = f"{r['draft_over_verify']:.3f}" if r["draft_over_verify"] is not None else "-"
+        print(f"{r['model']:>5} {r['format']:>5} {r['topk']:>4} {r['batch']:>5} {r['draft_ms']:>9.3f} {ratio:>12}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
