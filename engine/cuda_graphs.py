@@ -61,11 +61,15 @@ class TargetGraphs:
 
     @torch.inference_mode()
     def run(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]],
-            shape: tuple[int, int, int]) -> tuple[Tensor, Tensor | None]:
+            shape: tuple[int, int, int], drafts: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """-> logits [R, q, V] fp32 (rows past len(tokens[r]) are padding; valid until the next run) and
-        features [R, q, F] (an owned copy)."""
+        features [R, q, F] (an owned copy). With `drafts` [R, N] on the device, tokens[r][1:] are placeholders
+        and the drafts are copied in on the device, so they never visit the host."""
         q, b, c = shape
         self._upload(self._layout(block_tables, starts, tokens, q, b, c))
+        if drafts is not None and q > 1:
+            k = min(q - 1, drafts.shape[1])
+            self.dev[:b * q].view(b, q)[:len(tokens), 1:1 + k].copy_(drafts[:, :k])
         if shape not in self._runners:
             self._runners[shape] = self._build(q, b, c)
         logits, feats = self._runners[shape]()

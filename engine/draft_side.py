@@ -113,14 +113,15 @@ class DraftSide:
         first = 0 if cfg.anchor_first else 1
         hidden = hidden[:, first:first + n]  # [R, N, H]: row k drafts position anchor_pos + 1 + k
         base = m.base_logits(hidden)  # [R, N, V_draft]
+        need_q = self.spec.draft_sample_method != "greedy" and bool((inp.temperature >= 1e-5).any())  # host data
         return self._markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
-                                 inp.anchor_pos.to(dev))
+                                 inp.anchor_pos.to(dev), need_q)
 
     def _markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
-                     anchor_pos: Tensor) -> DraftProposal:
+                     anchor_pos: Tensor, need_q: bool) -> DraftProposal:
+        """need_q: some row samples (then q is returned for every row; greedy rows get one-hot q)."""
         m, n = self.model, base.shape[1]
         greedy = (temperature < 1e-5) | (self.spec.draft_sample_method == "greedy")  # [R]
-        need_q = not bool(greedy.all())
         temp = torch.where(temperature < 1e-5, 1.0, temperature)[:, None]  # [R, 1]
         prev, tokens, probs, conf, cand_ids, cand_probs = anchor, [], [], [], [], []
         for k in range(n):

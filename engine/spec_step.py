@@ -38,11 +38,12 @@ def num_to_verify(reqs: list[Request], proposal: DraftProposal | None, spec: Spe
     draft k without looking at it. Budget: the capacity comes from the previous step's survival (stale).
     """
     n = [max(0, min(r.num_speculative_tokens, max_drafts, r.remaining - 1)) for r in reqs]
-    if proposal is None or proposal.confidence_logits is None:
-        return n
-    survival = torch.sigmoid(proposal.confidence_logits).cumprod(-1).cpu()  # [R, N]
     thresholds = [spec.dspark_confidence_threshold if r.confidence_threshold is None else r.confidence_threshold
                   for r in reqs]
+    if proposal is None or proposal.confidence_logits is None or (spec.dspark_budget_frac <= 0
+                                                                  and not any(t > 0 for t in thresholds)):
+        return n  # nothing to trim: no device -> host read of the confidences
+    survival = torch.sigmoid(proposal.confidence_logits).cumprod(-1).cpu()  # [R, N]
     if any(t > 0 for t in thresholds):
         confident = (survival >= torch.tensor(thresholds)[:, None]).sum(-1).tolist()
         n = [min(a, b) for a, b in zip(n, confident)]
@@ -78,8 +79,7 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     t1 = time.perf_counter()
     n = num_to_verify(reqs, proposal, spec, max_drafts) if proposal is not None else [0] * len(reqs)
     drafts = proposal.tokens.to(dev) if proposal is not None else torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
-    draft_lists = drafts.tolist()
-    logits, feats = target.run(reqs, [[r.anchor] + d[:k] for r, d, k in zip(reqs, draft_lists, n)], last_only=False)
+    logits, feats = target.verify(reqs, drafts if proposal is not None else None, n)
     width = logits.shape[1] - 1
     positions = torch.tensor([[r.anchor_pos + 1 + i for i in range(width + 1)] for r in reqs], device=dev)
     dense = proposal.dense_probs(target.vocab_size) if proposal is not None else None
@@ -87,8 +87,8 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     result = verify_mixed(drafts[:, :width], torch.tensor(n, device=dev), logits, q, params["is_greedy"],
                           params["temperature"], params["top_k"], params["top_p"], params["min_p"],
                           params["seeds"], positions)
-    accepted = result.num_accepted.tolist()  # the step's one device -> host sync
-    out_tokens = result.output_tokens.tolist()
+    packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1).tolist()  # the step's host sync
+    accepted, out_tokens = [row[0] for row in packed], [row[1:] for row in packed]
     t2 = time.perf_counter()
     new_tokens = []
     for r, a, k, f, toks in zip(reqs, accepted, n, feats, out_tokens):

@@ -33,6 +33,19 @@ class TargetSide:
         return self.model.config.vocab_size
 
     @torch.inference_mode()
+    def verify(self, reqs: list[Request], drafts: Tensor | None, n: list[int]) -> tuple[Tensor, list[Tensor | None]]:
+        """Each request's anchor plus its first n[b] drafts (drafts [R, N] int64 on the device, or None): run()'s
+        outputs. On the static path the drafts stay on the device; otherwise they are read to the host first."""
+        starts, lens = [r.num_computed for r in reqs], [1 + k for k in n]
+        shape = self.graphs.shape_for(starts, lens) if self.graphs is not None else None
+        if shape is None or drafts is None:
+            rows = drafts.tolist() if drafts is not None else [[] for _ in reqs]
+            return self.run(reqs, [[r.anchor] + d[:k] for r, d, k in zip(reqs, rows, n)], last_only=False)
+        tokens = [[r.anchor] + [0] * k for r, k in zip(reqs, n)]
+        logits, feats = self.graphs.run([r.target_blocks for r in reqs], starts, tokens, shape, drafts=drafts)
+        return logits[:, :max(lens)], [f[:k] for f, k in zip(feats, lens)] if feats is not None else [None] * len(reqs)
+
+    @torch.inference_mode()
     def run(self, reqs: list[Request], tokens: list[list[int]], last_only: bool) -> tuple[Tensor, list[Tensor | None]]:
         """Write `tokens[b]` at positions num_computed.. of reqs[b].
 
