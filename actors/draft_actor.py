@@ -22,6 +22,8 @@ class DraftActor:
         heads = load_target_heads(cfg.target, dtype=dtype)
         model = load_draft(cfg.draft, target=heads, dtype=dtype).to(self.device)
         self.side = DraftSide(model, cfg.num_kv_blocks, cfg.block_size, spec, heads.config.vocab_size)
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self.side.use_static_shapes(cfg.max_model_len)
         self.config: DraftConfig = model.config
         self.feature_dtype = dtype or heads.config.dtype
         self.end: DraftEnd | None = None

@@ -66,7 +66,7 @@ class VerifierActor:
             remote = RemoteDraft(end, n, self.draft_cfg.query_len, c.num_kv_blocks, c.block_size)
         self.llm = LLM(c.target, None, self.spec, dtype=self.dtype, device=str(self.device),
                        block_size=c.block_size, num_kv_blocks=c.num_kv_blocks, max_num_seqs=c.max_num_seqs,
-                       max_model_len=c.max_model_len, draft_side=remote,
+                       max_model_len=c.max_model_len, draft_side=remote, enforce_eager=c.enforce_eager or None,
                        capture_layers=self.draft_cfg.target_layer_ids if remote is not None else ())
 
     def start(self) -> bool:

@@ -59,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
     pair = PairConfig(target=args.target, draft=args.draft, speculative_config=args.speculative_config,
                       device=args.device or "auto", dtype=args.dtype, block_size=args.block_size,
                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                      max_model_len=args.max_model_len, placement=args.placement, channel_host=args.channel_host,
+                      max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, placement=args.placement,
+                      channel_host=args.channel_host,
                       target_resources=_resources(args.target_resources, "--target-resources"),
                       draft_resources=_resources(args.draft_resources, "--draft-resources"))
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
@@ -234,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-kv-blocks", type=int, default=2048)
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-model-len", type=int, default=4096)
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
     s.add_argument("--max-queue", type=int, default=256)
     s.add_argument("--drain-timeout", type=float, default=30.0)
     s.set_defaults(func=_serve)

@@ -18,6 +18,7 @@ class PairConfig:
     num_kv_blocks: int = 2048
     max_num_seqs: int = 64
     max_model_len: int = 4096
+    enforce_eager: bool = False  # vLLM's name: True turns off the CUDA graphs (static-shape steps) on GPUs
     placement: str = "PACK"  # PACK: one node if possible; SPREAD: draft and verifier on different nodes
     channel_host: str | None = None  # address the verifier's step channel binds; None: its node IP
     num_cpus: float = 1.0  # per actor

@@ -115,19 +115,25 @@ class TargetGraphs:
             return forward
         step = self.dev[:3 * n + b + b * w].clone()  # this step's metadata; capture runs on padding only
         self._upload(self._layout([], [], [], q, b, c))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = forward()
-        self._pool = graph.pool()
+        replay, self._pool = capture(forward, self._pool)
         self.dev[:step.numel()].copy_(step)
-
-        def replay() -> tuple[Tensor, Tensor | None]:
-            graph.replay()
-            return out
         return replay
+
+
+def capture(forward: Callable[[], object], pool: object = None) -> tuple[Callable[[], object], object]:
+    """Record forward() as a CUDA graph (after two warm-up runs on a side stream); -> (replay, memory pool).
+    replay() returns the captured outputs, refreshed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+
+    def replay() -> object:
+        graph.replay()
+        return out
+    return replay, graph.pool()

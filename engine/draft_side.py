@@ -9,6 +9,7 @@ from torch import Tensor
 
 from dspark_serve.models.dspark import DSparkDraft
 
+from .draft_graphs import DraftGraphs
 from .kv_cache import BlockAllocator, batch_metadata, positions_of
 from .request import Request
 from .sampling import DRAFT_SALT, keyed_gumbel
@@ -72,8 +73,9 @@ class DraftSide:
         self.model, self.spec, self.block_size, self.target_vocab = model, spec, block_size, target_vocab
         self.num_speculative_tokens = spec.num_speculative_tokens or cfg.num_speculative_tokens
         self.device = model.fc.weight.device
-        self.cache = model.allocate_kv_cache(num_blocks, block_size)
+        self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded rows
         self.allocator = BlockAllocator(num_blocks, block_size)
+        self.graphs: DraftGraphs | None = None
         self._scatter_cols = torch.arange(cfg.draft_vocab_size, device=self.device) + model.d2t.to(self.device)
         self._gathered_nvfp4 = self._nvfp4_gather_fn(model)
 
@@ -86,6 +88,11 @@ class DraftSide:
         from dspark_serve.kernels.gathered_bias import gathered_bias, gathered_bias_ref
 
         return gathered_bias if self.device.type == "cuda" else gathered_bias_ref
+
+    def use_static_shapes(self, max_model_len: int, capture: bool | None = None) -> None:
+        """Block pass + Markov walk with static shapes (CUDA graphs on CUDA) for steps that fit a bucket."""
+        self.graphs = DraftGraphs(self, self.allocator.num_blocks * self.block_size, max_model_len,
+                                  capture_graphs=capture)
 
     @property
     def query_len(self) -> int:
@@ -105,6 +112,11 @@ class DraftSide:
             m.write_context(inp.features.to(dev), pos, meta.slot_mapping, self.cache)
         q_len, num_reqs = self.query_len, len(tables)
         anchor_pos = inp.anchor_pos.tolist()
+        need_q = self.spec.draft_sample_method != "greedy" and bool((inp.temperature >= 1e-5).any())  # host data
+        shape = self.graphs.shape_for(anchor_pos) if self.graphs is not None else None
+        if shape is not None:
+            return self.graphs.propose(inp.anchors.tolist(), anchor_pos, tables, inp.temperature.cpu(),
+                                       inp.seeds.tolist(), need_q, shape)
         ids = torch.full((num_reqs, q_len), cfg.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = inp.anchors.to(dev)
         meta = batch_metadata(tables, anchor_pos, [q_len] * num_reqs, self.block_size, dev, causal=False)
@@ -113,7 +125,6 @@ class DraftSide:
         first = 0 if cfg.anchor_first else 1
         hidden = hidden[:, first:first + n]  # [R, N, H]: row k drafts position anchor_pos + 1 + k
         base = m.base_logits(hidden)  # [R, N, V_draft]
-        need_q = self.spec.draft_sample_method != "greedy" and bool((inp.temperature >= 1e-5).any())  # host data
         return self._markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
                                  inp.anchor_pos.to(dev), need_q)
 
@@ -129,8 +140,11 @@ class DraftSide:
             logits, idx = self._biased_logits(base[:, k], embed)  # [R, V_draft], -inf outside candidates idx
             if m.confidence_head is not None:
                 conf.append(m.confidence_logit(hidden[:, k], embed))
-            noise = keyed_gumbel(seeds, (anchor_pos + 1 + k)[:, None], logits.shape[-1], DRAFT_SALT)[:, 0]
-            draft_ids = torch.where(greedy, logits.argmax(-1), (logits / temp + noise).argmax(-1))  # [R]
+            if need_q:
+                noise = keyed_gumbel(seeds, (anchor_pos + 1 + k)[:, None], logits.shape[-1], DRAFT_SALT)[:, 0]
+                draft_ids = torch.where(greedy, logits.argmax(-1), (logits / temp + noise).argmax(-1))  # [R]
+            else:  # every row greedy
+                draft_ids = logits.argmax(-1)
             prev = m.to_target_ids(draft_ids)
             tokens.append(prev)
             if need_q:

@@ -61,6 +61,8 @@ class LLM:
         if not (self.target.device.type != "cuda" if enforce_eager is None else enforce_eager):
             drafts = self.draft.num_speculative_tokens if self.draft is not None else 0
             self.target.use_static_shapes((1, 1 + drafts) if drafts else (1,), max_model_len)
+            if isinstance(self.draft, DraftSide):
+                self.draft.use_static_shapes(max_model_len)
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
         self.scheduler = Scheduler(self.target, self.draft, spec, max_num_seqs=max_num_seqs,
                                    eos_token_ids=tuple(eos_token_ids or ()), decode=decode)

@@ -40,6 +40,7 @@ def test_static_path_outputs_equal_dynamic_path(temperature, with_draft):
     assert {(q, 4, 256), (q, 8, 512)} <= shapes, shapes  # both batch buckets; the long prompt's context bucket
     if with_draft:
         assert sum(o.stats["accepted"] for o in got) > 0
+        assert {(4, 256), (8, 512)} <= {k[:2] for k in static.draft.graphs._runners}
 
 
 def test_static_verify_logits_and_features_match_dynamic():
@@ -69,3 +70,36 @@ def test_static_verify_logits_and_features_match_dynamic():
     # the verify wrote K/V for real tokens only: both caches agree on every live block, the trash block aside
     live = sides[0].allocator.num_blocks
     assert torch.allclose(sides[0].cache[:, :, :live], sides[1].cache[:, :, :live], atol=1e-6)
+
+
+@pytest.mark.parametrize("topk", [0, 8])
+def test_static_draft_proposal_matches_dynamic(topk):
+    from dspark_serve.engine.draft_side import DraftInput, DraftSide
+    from dspark_serve.engine.spec_config import SpeculativeConfig
+
+    _, draft = tiny_pair(seed=6, agree=0.01, block_size=5, dtype=torch.float32)
+    spec = SpeculativeConfig(dspark_draft_topk=topk)
+    sides = [DraftSide(draft, 64, 8, spec, 256) for _ in range(2)]
+    sides[1].use_static_shapes(max_model_len=256)
+    g = torch.Generator().manual_seed(3)
+    ctx = [5, 40, 13]  # three requests: a batch bucket of 4, one padded row
+    feats = torch.randn(sum(ctx), draft.config.context_dim, generator=g)
+    for temps in ([0.0, 0.0, 0.0], [0.0, 0.7, 1.0]):  # the greedy-only graph and the sampling graph
+        props = []
+        for side in sides:
+            tables = [side.allocator.allocate(n + 16) for n in ctx]
+            inp = DraftInput(anchors=torch.tensor([3, 9, 27]), anchor_pos=torch.tensor(ctx),
+                             ctx_start=torch.zeros(3, dtype=torch.int64), ctx_len=torch.tensor(ctx), features=feats,
+                             block_table=torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables]),
+                             temperature=torch.tensor(temps), seeds=torch.tensor([1, 2, 3]))
+            props.append(side.propose(inp))
+            for t in tables:
+                side.allocator.free(t)
+        a, b = props
+        assert torch.equal(a.tokens, b.tokens) and a.tokens.shape == (3, 5)
+        assert torch.allclose(a.confidence_logits, b.confidence_logits, atol=1e-5)
+        for name in ("probs", "cand_ids", "cand_probs"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None) and (x is None or torch.allclose(x.float(), y.float(), atol=1e-5))
+        assert (a.probs is None and a.cand_probs is None) == (max(temps) == 0)
+    assert {k[2] for k in sides[1].graphs._runners} == {False, True}

@@ -26,3 +26,5 @@ def test_graph_replay_equals_eager(with_draft):
         got = graphs.generate(prompts, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert len(graphs.target.graphs._runners) >= 2  # batch buckets 8 and, as requests finish, smaller ones
+    if with_draft:
+        assert graphs.draft.graphs.capture and {k[2] for k in graphs.draft.graphs._runners} == {False, True}

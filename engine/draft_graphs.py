@@ -1,0 +1,110 @@
+"""CUDA graphs for the draft's block pass and Markov walk (the context K/V write stays outside).
+
+A bucket fixes the batch and the number of context slots attended; missing requests are padded (their block
+K/V goes to the draft cache's trash slot, their proposals are dropped). Greedy-only and sampling steps are
+separate graphs (a sampling step also returns q). On CPU the static path runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor
+
+from dspark_serve.kernels.attention import AttentionMetadata
+
+from .cuda_graphs import GraphBuckets, _bucket, capture
+
+if TYPE_CHECKING:
+    from .draft_side import DraftProposal, DraftSide
+
+
+class DraftGraphs:
+    def __init__(self, side: "DraftSide", trash_slot: int, max_model_len: int, buckets: GraphBuckets = GraphBuckets(),
+                 capture_graphs: bool | None = None) -> None:
+        self.side, self.trash = side, trash_slot
+        self.bs, self.ql = side.block_size, side.query_len
+        self.device = side.device
+        self.capture = self.device.type == "cuda" if capture_graphs is None else capture_graphs
+        top = -(-(max_model_len + self.ql) // self.bs) * self.bs
+        self.buckets = GraphBuckets(buckets.batch, tuple(c for c in buckets.context if c < top) + (top,))
+        b = max(self.buckets.batch)
+        cuda = self.device.type == "cuda"
+        self.host = torch.zeros(4 * b + 2 * b * self.ql + b * (top // self.bs), dtype=torch.int64, pin_memory=cuda)
+        self.dev = torch.zeros_like(self.host, device=self.device)
+        self.temp_host = torch.zeros(b, dtype=torch.float32, pin_memory=cuda)
+        self.temp_dev = torch.zeros(b, dtype=torch.float32, device=self.device)
+        self._copied = torch.cuda.Event() if cuda else None
+        self._runners: dict[tuple[int, int, bool], Callable[[], "DraftProposal"]] = {}
+        self._pool = None
+
+    def shape_for(self, anchor_pos: list[int]) -> tuple[int, int] | None:
+        b = _bucket(len(anchor_pos), self.buckets.batch)
+        c = _bucket(max(anchor_pos) + self.ql, self.buckets.context)
+        return None if b is None or c is None else (b, c)
+
+    @torch.inference_mode()
+    def propose(self, anchors: list[int], anchor_pos: list[int], tables: list[list[int]], temperature: Tensor,
+                seeds: list[int], need_q: bool, shape: tuple[int, int]) -> "DraftProposal":
+        """The proposal for len(anchors) requests; its tensors are valid until the next propose."""
+        b, c = shape
+        self._upload(self._layout(anchors, anchor_pos, tables, seeds, b, c), temperature, b)
+        key = (b, c, need_q)
+        if key not in self._runners:
+            self._runners[key] = self._build(b, c, need_q)
+        out, r = self._runners[key](), len(anchors)
+        return replace(out, **{f.name: getattr(out, f.name)[:r] for f in fields(out)
+                               if isinstance(getattr(out, f.name), Tensor)})
+
+    def _layout(self, anchors: list[int], anchor_pos: list[int], tables: list[list[int]], seeds: list[int], b: int,
+                c: int) -> list[int]:
+        """[anchors b | anchor_pos b | seeds b | seq_lens b | positions b*ql | slots b*ql | table b*(c/bs)]."""
+        bs, ql, w = self.bs, self.ql, c // self.bs
+        pad = b - len(anchors)
+        pos, slots, table = [0] * (b * ql), [self.trash] * (b * ql), [0] * (b * w)
+        for r, (p0, blocks) in enumerate(zip(anchor_pos, tables)):
+            pos[r * ql:(r + 1) * ql] = range(p0, p0 + ql)
+            slots[r * ql:(r + 1) * ql] = [blocks[p // bs] * bs + p % bs for p in range(p0, p0 + ql)]
+            table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
+        seq = [p + ql for p in anchor_pos] + [ql] * pad
+        return list(anchors) + [0] * pad + list(anchor_pos) + [0] * pad + list(seeds) + [0] * pad + seq + pos \
+            + slots + table
+
+    def _upload(self, values: list[int], temperature: Tensor, b: int) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+        n = len(values)
+        self.host[:n] = torch.tensor(values, dtype=torch.int64)
+        self.temp_host[:b].zero_()
+        self.temp_host[:temperature.shape[0]] = temperature
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        self.temp_dev[:b].copy_(self.temp_host[:b], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def _build(self, b: int, c: int, need_q: bool) -> Callable[[], "DraftProposal"]:
+        side, ql, w = self.side, self.ql, c // self.bs
+        m, cfg, n = side.model, side.model.config, side.num_speculative_tokens
+        d = self.dev
+        anchors, anchor_pos, seeds, seq = d[:b], d[b:2 * b], d[2 * b:3 * b], d[3 * b:4 * b]
+        pos, slots = d[4 * b:4 * b + b * ql], d[4 * b + b * ql:4 * b + 2 * b * ql]
+        table = d[4 * b + 2 * b * ql:4 * b + 2 * b * ql + b * w].view(b, w)
+        meta = AttentionMetadata(cu_seqlens_q=torch.arange(b + 1, device=self.device) * ql, seq_lens=seq,
+                                 slot_mapping=slots, block_table=table, max_query_len=ql, max_seq_len=c,
+                                 causal=False, all_slots_valid=True)
+        temperature, first = self.temp_dev[:b], 0 if cfg.anchor_first else 1
+
+        def forward() -> "DraftProposal":
+            ids = torch.full((b, ql), cfg.mask_token_id, dtype=torch.int64, device=self.device)
+            ids[:, 0] = anchors
+            hidden = m.block_hidden(ids.flatten(), pos, meta, side.cache).view(b, ql, -1)[:, first:first + n]
+            return side._markov_walk(hidden, m.base_logits(hidden), anchors, temperature, seeds, anchor_pos, need_q)
+        if not self.capture:
+            return forward
+        step = (self.dev.clone(), self.temp_dev.clone())  # capture runs on padding only
+        self._upload(self._layout([], [], [], [], b, c), torch.zeros(0), b)
+        replay, self._pool = capture(forward, self._pool)
+        self.dev.copy_(step[0]), self.temp_dev.copy_(step[1])
+        return replay
