@@ -25,6 +25,9 @@ class GraphBuckets:
     context: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # key slots attended per row
 
 
+MAX_GRAPH_TOKENS = 512  # each graph keeps its own [tokens, vocab] fp32 logits: larger steps run eagerly
+
+
 def _bucket(n: int, sizes: tuple[int, ...]) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
@@ -54,7 +57,7 @@ class TargetGraphs:
         """(query_len, batch, context) bucket of a step, or None when it fits none (a prefill, say)."""
         q = _bucket(max(lens), self.query_lens)
         b = _bucket(len(lens), self.buckets.batch)
-        if q is None or b is None:
+        if q is None or b is None or b * q > MAX_GRAPH_TOKENS:
             return None
         c = _bucket(max(starts) + q, self.buckets.context)
         return None if c is None else (q, b, c)
