@@ -113,13 +113,18 @@ def verify_mixed(
     min_p: Tensor,
     seeds: Tensor,
     positions: Tensor,
+    any_sampled: bool = True,
+    filtered_rows: list[int] | None = None,
 ) -> VerifyResult:
     """One batch of greedy and sampled rows. target_logits [R, n + 1, V]; is_greedy and params [R].
 
     Greedy rows take the argmax branch; sampled rows verify against processed_probs(target_logits).
+    any_sampled=False (host data: no sampled row) skips the sampled branch; filtered_rows: see processed_probs.
     """
     greedy = verify_greedy(draft_tokens, num_draft, target_logits)
-    p = processed_probs(target_logits, temperature, top_k, top_p, min_p)  # [R, n + 1, V]
+    if not any_sampled:
+        return greedy
+    p = processed_probs(target_logits, temperature, top_k, top_p, min_p, filtered_rows)  # [R, n + 1, V]
     sampled = verify_sampled(draft_tokens, num_draft, draft_probs, p, seeds, positions)
     return VerifyResult(
         torch.where(is_greedy, greedy.num_accepted, sampled.num_accepted),

@@ -73,16 +73,30 @@ def sample_from_probs(probs: Tensor, seeds: Tensor, positions: Tensor, salt: int
     return (probs.log() + noise).argmax(-1)  # log 0 = -inf: zero-probability tokens are never chosen
 
 
-def processed_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+def processed_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+                    filtered_rows: list[int] | None = None) -> Tensor:
     """The target's p: temperature, then top-k, top-p, min-p, renormalized. logits [R, n, V]; params [R].
 
-    Greedy rows (temperature < 1e-5) get the untempered softmax; they never use p.
+    Greedy rows (temperature < 1e-5) get the untempered softmax; they never use p. `filtered_rows` (host data):
+    the rows that set top-k, top-p or min-p; the others get the tempered softmax without the sort. None: treat
+    every row as filtered. Each row's arithmetic depends on its own parameters only, so p is batch-invariant.
     """
-    vocab_size = logits.shape[-1]
     t = torch.where(temperature < GREEDY_TEMPERATURE, 1.0, temperature.float())
     x = logits.float() / t[:, None, None]  # [R, n, V]
+    if filtered_rows is None:
+        return _filtered(x, top_k, top_p, min_p)
+    out = x.softmax(-1)
+    if filtered_rows:
+        rows = torch.tensor(filtered_rows, device=x.device)
+        out[rows] = _filtered(x[rows], top_k[rows], top_p[rows], min_p[rows])
+    return out
+
+
+def _filtered(x: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """Tempered logits [R, n, V] -> top-k, then top-p, then min-p, renormalized."""
+    vocab_size = x.shape[-1]
     sorted_x, order = x.sort(-1, descending=True)  # [R, n, V]
-    rank = torch.arange(vocab_size, device=logits.device)
+    rank = torch.arange(vocab_size, device=x.device)
     k = torch.where(top_k > 0, top_k, vocab_size)[:, None, None]
     probs = sorted_x.masked_fill(rank >= k, float("-inf")).softmax(-1)  # renormalized over the top k
     mass_before = probs.cumsum(-1) - probs

@@ -12,7 +12,7 @@ from .draft_side import DraftSide
 from .rejection import verify_mixed
 from .request import FinishReason, Request, RequestOutput
 from .spec_config import SpeculativeConfig
-from .spec_step import sampling_tensors, spec_step
+from .spec_step import sampling_tensors, spec_step, verify_hints
 from .target_side import TargetSide
 
 
@@ -140,7 +140,7 @@ class Scheduler:
         none = torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.target.device)
         first = verify_mixed(none, torch.zeros(len(reqs), dtype=torch.int64, device=none.device), logits, None,
                              p["is_greedy"], p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
-                             positions).output_tokens[:, 0].tolist()
+                             positions, **verify_hints(reqs)).output_tokens[:, 0].tolist()
         outputs = []
         for r, f, tok in zip(reqs, feats, first):
             r.num_computed = len(r.prompt_ids)

@@ -30,6 +30,13 @@ def sampling_tensors(reqs: list[Request], device: torch.device) -> dict[str, Ten
             "seeds": t([r.seed for r in reqs], torch.int64), "is_greedy": t([x.is_greedy for x in p], torch.bool)}
 
 
+def verify_hints(reqs: list[Request]) -> dict:
+    """Host-side facts that let verification skip work: whether any row samples, which rows filter p."""
+    return {"any_sampled": not all(r.params.is_greedy for r in reqs),
+            "filtered_rows": [i for i, r in enumerate(reqs)
+                              if r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0]}
+
+
 def num_to_verify(reqs: list[Request], proposal: DraftProposal | None, spec: SpeculativeConfig,
                   max_drafts: int) -> list[int]:
     """Drafts verified per request; each cut depends only on what is known before that draft is drawn.
@@ -86,7 +93,7 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     q = dense[:, :width].to(dev) if dense is not None else None
     result = verify_mixed(drafts[:, :width], torch.tensor(n, device=dev), logits, q, params["is_greedy"],
                           params["temperature"], params["top_k"], params["top_p"], params["min_p"],
-                          params["seeds"], positions)
+                          params["seeds"], positions, **verify_hints(reqs))
     packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1).tolist()  # the step's host sync
     accepted, out_tokens = [row[0] for row in packed], [row[1:] for row in packed]
     t2 = time.perf_counter()

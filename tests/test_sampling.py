@@ -179,3 +179,19 @@ def test_validate_accepts_good_params_and_greedy_threshold():
     SamplingParams(max_tokens=10**6).validate()  # no limit given
     assert SamplingParams(temperature=0.0).is_greedy and SamplingParams(temperature=5e-6).is_greedy
     assert not SamplingParams(temperature=1e-4).is_greedy and not SamplingParams().is_greedy
+
+
+def test_processed_probs_row_paths_are_batch_invariant():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 2, 50, generator=g, dtype=torch.float64)
+    t = torch.tensor([0.7, 1.3, 0.9], dtype=torch.float64)
+    k, top_p, min_p = torch.tensor([0, 5, 0]), torch.tensor([1.0, 1.0, 0.8]), torch.tensor([0.0, 0.0, 0.0])
+    mixed = S.processed_probs(logits, t, k, top_p, min_p, filtered_rows=[1, 2])
+    full = S.processed_probs(logits, t, k, top_p, min_p)  # every row through the sort
+    assert torch.allclose(mixed, full, atol=1e-12)
+    assert torch.equal(mixed[0], torch.softmax(logits[0].float() / t[0].float(), -1))  # no sort for this row
+    for i, rows in ((0, []), (1, [0]), (2, [0])):  # each row alone gives the bits it had in the batch
+        alone = S.processed_probs(logits[i:i + 1], t[i:i + 1], k[i:i + 1], top_p[i:i + 1], min_p[i:i + 1],
+                                  filtered_rows=rows)
+        assert torch.equal(alone[0], mixed[i])
+    assert (mixed[1] > 0).sum(-1).tolist() == [5, 5]
