@@ -7,6 +7,7 @@ separate graphs (a sampling step also returns q). On CPU the static path runs ea
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -105,6 +106,10 @@ class DraftGraphs:
             return forward
         step = (self.dev.clone(), self.temp_dev.clone())  # capture runs on padding only
         self._upload(self._layout([], [], [], [], b, c), torch.zeros(0), b)
-        replay, self._pool = capture(forward, self._pool)
+        try:
+            replay, self._pool = capture(forward, self._pool)
+        except RuntimeError as e:  # keep serving: this and later shapes run the static path eagerly
+            warnings.warn(f"CUDA graph capture failed for the draft, running eagerly from now on: {e}")
+            self.capture, replay = False, forward
         self.dev.copy_(step[0]), self.temp_dev.copy_(step[1])
         return replay
