@@ -112,8 +112,13 @@ def _tokenizer(reader: Any) -> Any:
 
 
 def _progress(done: int, total: int, enabled: bool) -> None:
-    if enabled:
+    """A rewritten line on a terminal; about every tenth tensor, one line each, in a log."""
+    if not enabled:
+        return
+    if sys.stderr.isatty():
         print(f"\r[{done}/{total}] tensors dequantized", end="\n" if done == total else "", file=sys.stderr, flush=True)
+    elif done == total or done % max(1, total // 10) == 0:
+        print(f"[{done}/{total}] tensors dequantized", file=sys.stderr, flush=True)
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
