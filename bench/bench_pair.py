@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft", default=str(DEMO_DRAFTER))
     ap.add_argument("--sets", nargs="+", default=["code", "prose"])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--accept-prompts", type=int, default=64, help="held-out prompts per set for tau")
+    ap.add_argument("--accept-prompts", type=int, default=64, help="held-out prompts per set for tau (0: skip)")
     ap.add_argument("--accept-batch", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--speed-prompts", type=int, default=8, help="code prompts timed at batch 1 (0: skip)")
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
             for s in args.sets}
     result: dict = {"device": torch.cuda.get_device_name() if spec.target.device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "max_tokens": args.max_tokens, "acceptance": [], "speed": None}
-    for name, prompts in sets.items():
+    for name, prompts in sets.items() if args.accept_prompts > 0 else ():
         prompts = prompts[:args.accept_prompts]
         for temp in args.temperatures:
             params = [SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=i) for i in range(len(prompts))]

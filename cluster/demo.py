@@ -23,9 +23,17 @@ PROMPTS = (
 READY = re.compile(r"serving dspark.v1.Generation on (\S+:\d+)")
 
 
-def _start_server(target: Path, draft: Path, cuda: bool, timeout_s: float) -> tuple[subprocess.Popen, str]:
+# On a CPU a verify step costs about its token count, so verify only drafts the confidence head trusts (measured
+# on 2 held-out code prompts: 0.8x of plain decoding when all 7 drafts are verified, 1.0x with this threshold);
+# on a GPU verifying 8 tokens costs about what 1 does.
+CPU_SPEC_CONFIG = '{"dspark_confidence_threshold": 0.3}'
+
+
+def _start_server(target: Path, draft: Path, cuda: bool, spec_config: str | None,
+                  timeout_s: float) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(target), "--draft", str(draft),
            "--host", "127.0.0.1", "--port", "0", "--max-model-len", "2048", "--num-kv-blocks", "1024"]
+    cmd += ["--speculative-config", spec_config] if spec_config else []
     cmd += [] if cuda else ["--device", "cpu", "--dtype", "float32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -71,9 +79,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"dspark-serve demo: error: no draft checkpoint at {draft}", file=sys.stderr)
         return 1
     cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
-    print(f"target {target}\ndraft  {draft}\nstarting Ray, the verifier and draft actors and the gateway ...",
-          flush=True)
-    proc, address = _start_server(target, draft, cuda, args.start_timeout)
+    spec_config = args.speculative_config or (None if cuda else CPU_SPEC_CONFIG)
+    print(f"target {target}\ndraft  {draft}\nspeculative_config {spec_config or '{}'}\n"
+          "starting Ray, the verifier and draft actors and the gateway ...", flush=True)
+    proc, address = _start_server(target, draft, cuda, spec_config, args.start_timeout)
     client = DSparkClient(address)
     totals = {"spec_tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0, "steps": 0, "accepted": 0}
     try:
