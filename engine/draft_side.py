@@ -148,8 +148,8 @@ class DraftSide:
             prev = m.to_target_ids(draft_ids)
             tokens.append(prev)
             if need_q:
-                q = torch.where(greedy[:, None], torch.nn.functional.one_hot(draft_ids, logits.shape[-1]).float(),
-                                torch.softmax(logits / temp, -1))
+                onehot = torch.zeros_like(logits).scatter_(-1, draft_ids[:, None], 1.0)  # no device check: capturable
+                q = torch.where(greedy[:, None], onehot, torch.softmax(logits / temp, -1))
                 if idx is None:
                     probs.append(self._to_target_vocab(q))
                 else:  # q is zero outside the candidates: keep just those
