@@ -180,7 +180,7 @@ def test_train_draft_tiny_run_learns_and_stays_lossless(tmp_path):
     assert _mean_tau(spec) > _mean_tau(base) + 0.5
 
 
-def test_regenerate_only_then_train_from_responses(tmp_path):
+def test_regenerate_only_then_train_from_responses(tmp_path, capsys):
     target, _ = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.float32)
     target_dir = save_target(target, tmp_path / "target")
     rng = random.Random(1)
@@ -199,10 +199,13 @@ def test_regenerate_only_then_train_from_responses(tmp_path):
     assert [r["response_ids"] for r in rows] == [list(o.token_ids) for o in plain]
 
     out = tmp_path / "draft"
+    capsys.readouterr()
     assert train_main(common + ["--responses", str(regen / "prompts.jsonl"), "--out", str(out), "--draft-layers", "1",
                                 "--block-size", "4", "--markov-rank", "16", "--steps", "3", "--batch-size", "2",
-                                "--num-anchors", "4", "--no-shared-copies"]) == 0
+                                "--num-anchors", "4", "--no-shared-copies", "--save-every-minutes", "0"]) == 0
     assert len((out / "train_log.jsonl").read_text().splitlines()) == 3
+    err = capsys.readouterr().err
+    assert [f"step {i}: wrote {out}" in err for i in range(3)] == [True] * 3  # a checkpoint after every step
     load_draft(out, target=load_target(target_dir))
 
     bad = tmp_path / "bad.jsonl"

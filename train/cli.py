@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from dataclasses import replace
@@ -12,6 +13,7 @@ import torch
 
 from dspark_serve.models.config import ModelConfig
 from dspark_serve.models.draft_saver import save_draft
+from dspark_serve.models.dspark import DSparkDraft
 from dspark_serve.models.target_loader import load_target
 from dspark_serve.models.tokenizer import eos_token_ids, load_tokenizer
 
@@ -57,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4, help="sequences packed per step")
     p.add_argument("--num-anchors", type=int, default=256, help="anchor blocks per sequence")
     p.add_argument("--max-minutes", type=float, help="stop training after this many minutes")
+    p.add_argument("--save-every-minutes", type=float,
+                   help="also write the draft to --out this often while training (a killed run keeps the last one)")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="recompute target features every step instead of keeping them in memory")
     p.add_argument("--log-every", type=int, default=10)
@@ -109,17 +113,24 @@ def main(argv: list[str] | None = None) -> int:
                           intermediate_size=args.draft_intermediate_size)
     cfg = TrainConfig(lr=args.lr, warmup_ratio=args.warmup_ratio, schedule=args.schedule, steps=args.steps,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors,
-                      max_minutes=args.max_minutes,
+                      max_minutes=args.max_minutes, save_every_minutes=args.save_every_minutes,
                       cache_features=not args.no_feature_cache, log_every=args.log_every, seed=args.seed)
     dc = draft.config
     print(f"train-draft: draft {dc.layers.num_layers} layers, block {dc.block_size}, target layers "
           f"{list(dc.target_layer_ids)}, mask id {dc.mask_token_id}"
           + (f", continuing {args.init_draft}" if args.init_draft else ""), file=sys.stderr)
     (out / "train_log.jsonl").unlink(missing_ok=True)
-    log = train(draft, target, seqs, cfg, out / "train_log.jsonl")
     save_dtype = ModelConfig.from_dir(target_dir).dtype  # the target checkpoint's dtype (bf16 for Qwen)
-    draft.config = replace(draft.config, layers=replace(draft.config.layers, dtype=save_dtype))
-    save_draft(draft.to(save_dtype), out, "deepspec", with_shared=not args.no_shared_copies)
+
+    def save(model: DSparkDraft) -> None:
+        model.config = replace(model.config, layers=replace(model.config.layers, dtype=save_dtype))
+        save_draft(model.to(save_dtype), out, "deepspec", with_shared=not args.no_shared_copies)
+
+    def checkpoint(step: int) -> None:
+        save(copy.deepcopy(draft))
+        print(f"train-draft: step {step}: wrote {out}", file=sys.stderr)
+    log = train(draft, target, seqs, cfg, out / "train_log.jsonl", checkpoint)
+    save(draft)
     if log:
         print(f"train-draft: loss {log[0]['loss']:.4f} -> {log[-1]['loss']:.4f}; wrote {out}", file=sys.stderr)
     return 0

@@ -8,6 +8,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ class TrainConfig:
     batch_size: int = 4  # sequences packed per step
     num_anchors: int = 256  # per sequence
     max_minutes: float | None = None
+    save_every_minutes: float | None = None  # call `checkpoint` this often (a killed run keeps its last save)
     cache_features: bool = True  # run the target once per sequence (else once per step: no memory, more compute)
     gamma: float = 4.0
     log_every: int = 10
@@ -93,8 +95,10 @@ def train_step(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[tor
 
 
 def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Tensor, torch.Tensor]],
-          cfg: TrainConfig, log_path: Path | None = None) -> list[dict]:
-    """Train in place; returns the per-step log (also appended to `log_path` as JSON lines)."""
+          cfg: TrainConfig, log_path: Path | None = None,
+          checkpoint: Callable[[int], None] | None = None) -> list[dict]:
+    """Train in place; returns the per-step log (also appended to `log_path` as JSON lines). `checkpoint(step)`
+    is called every `save_every_minutes`."""
     params = freeze_shared(draft)
     target.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -105,6 +109,7 @@ def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Te
     cache = cache_target_features(target, seqs, draft.config.target_layer_ids, cfg.batch_size) \
         if cfg.cache_features else None
     log, t0, tokens = [], time.perf_counter(), 0
+    last_save = t0
     logf = open(log_path, "a") if log_path else None
     draft.train()
     for step in range(total):
@@ -132,6 +137,12 @@ def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Te
         log.append(rec)
         if logf:
             logf.write(json.dumps(rec) + "\n")
+        if checkpoint is not None and cfg.save_every_minutes is not None \
+                and time.perf_counter() - last_save > 60 * cfg.save_every_minutes:
+            if logf:
+                logf.flush()
+            checkpoint(step)
+            last_save = time.perf_counter()
         if step % cfg.log_every == 0 or step == total - 1:
             print(f"step {step}/{total} lr {lr:.2e} loss {rec['loss']:.4f} ce {rec['ce']:.4f} tv {rec['tv']:.4f} "
                   f"conf {rec['conf']:.4f} acc {rec['acc']:.3f} tok/s {rec['tokens_per_s']:.0f}", file=sys.stderr)
