@@ -61,6 +61,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    import grpc
     import torch
 
     from dspark_serve.models.demo import DEMO_DRAFTER
@@ -69,6 +70,12 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from .client import DSparkClient
 
+    if not 1 <= args.num_prompts <= len(PROMPTS):
+        print(f"dspark-serve demo: error: --num-prompts must be in [1, {len(PROMPTS)}]", file=sys.stderr)
+        return 2
+    if args.max_tokens is not None and args.max_tokens < 1:
+        print("dspark-serve demo: error: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
     try:
         target = Path(args.target) if args.target else fetch_demo_target()
     except (FetchError, OSError) as e:
@@ -82,7 +89,11 @@ def run_demo(args: argparse.Namespace) -> int:
     spec_config = args.speculative_config or (None if cuda else CPU_SPEC_CONFIG)
     print(f"target {target}\ndraft  {draft}\nspeculative_config {spec_config or '{}'}\n"
           "starting Ray, the verifier and draft actors and the gateway ...", flush=True)
-    proc, address = _start_server(target, draft, cuda, spec_config, args.start_timeout)
+    try:
+        proc, address = _start_server(target, draft, cuda, spec_config, args.start_timeout)
+    except RuntimeError as e:
+        print(f"dspark-serve demo: error: {e}", file=sys.stderr)
+        return 1
     client = DSparkClient(address)
     totals = {"spec_tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0, "steps": 0, "accepted": 0}
     try:
@@ -118,6 +129,9 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"\nall prompts: tau {(t['steps'] + t['accepted']) / max(t['steps'], 1):.2f}, speculative "
               f"{spec_tps:.1f} tok/s vs plain {plain_tps:.1f} tok/s: speedup {spec_tps / plain_tps:.2f}x "
               f"({'GPU' if cuda else 'CPU'}, batch 1, through the gRPC service)")
+    except grpc.RpcError as e:
+        print(f"\ndspark-serve demo: error: the server answered {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
     finally:
         client.close()
         _stop(proc)

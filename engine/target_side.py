@@ -49,8 +49,8 @@ class TargetSide:
     def run(self, reqs: list[Request], tokens: list[list[int]], last_only: bool) -> tuple[Tensor, list[Tensor | None]]:
         """Write `tokens[b]` at positions num_computed.. of reqs[b].
 
-        Returns logits [R, Q, V] fp32 (Q = 1 with last_only, else the longest token list; short rows padded with
-        zeros) and per request the captured features [len(tokens[b]), len(capture) * hidden] (or None).
+        Returns logits [R, Q, V] fp32 (Q = 1 with last_only, else the longest token list; rows past len(tokens[b])
+        are padding: zeros here, arbitrary on the static path, never to be read) and per request the captured features [len(tokens[b]), len(capture) * hidden] (or None).
         Does not advance num_computed: the caller commits what was accepted.
         """
         starts = [r.num_computed for r in reqs]

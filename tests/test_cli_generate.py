@@ -75,3 +75,10 @@ def test_demo_runs_and_speculation_is_lossless():
     lines = [ln for ln in proc.stdout.splitlines() if "identical to plain greedy" in ln]
     assert len(lines) == 3 and all(ln.endswith("True") for ln in lines)
     assert "speculative" in proc.stdout and "speedup" in proc.stdout
+
+
+def test_demo_bad_arguments_are_one_line_errors(tmp_path):
+    proc = _cli("demo", "--num-prompts", "0")
+    assert proc.returncode == 2 and proc.stderr.strip() == "dspark-serve demo: error: --num-prompts must be in [1, 4]"
+    proc = _cli("demo", "--target", str(tmp_path), "--draft", str(tmp_path / "none"))
+    assert proc.returncode == 1 and f"no draft checkpoint at {tmp_path / 'none'}" in proc.stderr
