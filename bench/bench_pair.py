@@ -72,17 +72,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' compiled generate")
     ap.add_argument("--device")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the checkpoint's on CUDA, fp32 on CPU")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to compare)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     dtype = getattr(torch, args.dtype) if args.dtype else (None if cuda else torch.float32)
     kv = dict(device=args.device, dtype=dtype, max_num_seqs=args.accept_batch,
-              num_kv_blocks=args.accept_batch * -(-(1200 + args.max_tokens) // 16))
+              num_kv_blocks=args.accept_batch * -(-(1200 + args.max_tokens) // 16),
+              enforce_eager=args.enforce_eager or None)
     plain, spec = LLM(args.target, None, **kv), LLM(args.target, args.draft, **kv)
     sets = {s: [CHAT_TEMPLATE.format(t) for t in read_prompt_texts(PROMPTS / f"heldout_{s}.jsonl")]
             for s in args.sets}
     result: dict = {"device": torch.cuda.get_device_name() if spec.target.device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "max_tokens": args.max_tokens, "acceptance": [], "speed": None}
+                    "torch": torch.__version__, "max_tokens": args.max_tokens,
+                    "cuda_graphs": spec.target.graphs is not None and spec.target.graphs.capture,
+                    "acceptance": [], "speed": None}
     for name, prompts in sets.items() if args.accept_prompts > 0 else ():
         prompts = prompts[:args.accept_prompts]
         for temp in args.temperatures:
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
         result["speed"] = speed
     print(f"{'set':>5} {'T':>3} {'tau':>5}  per-position acceptance")
     for r in result["acceptance"]:
-        print(f"{r['set']:>5} {r['temperature']:>3g} {r['tau']:>5.2f}  " + " ".join(f"{p:.2f}" for p in r["per_position"]))
+        print(f"{r['set']:>5} {r['temperature']:>3g} {r['tau']:>5.2f}  "
+              + " ".join(f"{p:.2f}" for p in r["per_position"]))
     if result["speed"]:
         s = result["speed"]
         print(f"batch 1, {s['prompts']} code prompts: plain {s['plain_tok_s']:.1f} tok/s, speculative "

@@ -85,8 +85,10 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
         proposal = draft.propose(draft_input(reqs, params["temperature"], params["seeds"]))
     t1 = time.perf_counter()
     n = num_to_verify(reqs, proposal, spec, max_drafts) if proposal is not None else [0] * len(reqs)
-    drafts = proposal.tokens.to(dev) if proposal is not None else torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
-    logits, feats = target.verify(reqs, drafts if proposal is not None else None, n)
+    drafts = proposal.tokens.to(dev) if proposal is not None else None
+    logits, feats = target.verify(reqs, drafts, n)
+    if drafts is None:
+        drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
     width = logits.shape[1] - 1
     positions = torch.tensor([[r.anchor_pos + 1 + i for i in range(width + 1)] for r in reqs], device=dev)
     dense = proposal.dense_probs(target.vocab_size) if proposal is not None else None

@@ -50,7 +50,8 @@ class TargetSide:
         """Write `tokens[b]` at positions num_computed.. of reqs[b].
 
         Returns logits [R, Q, V] fp32 (Q = 1 with last_only, else the longest token list; rows past len(tokens[b])
-        are padding: zeros here, arbitrary on the static path, never to be read) and per request the captured features [len(tokens[b]), len(capture) * hidden] (or None).
+        are padding: zeros here, arbitrary on the static path, never to be read) and per request the captured
+        features [len(tokens[b]), len(capture) * hidden] (or None).
         Does not advance num_computed: the caller commits what was accepted.
         """
         starts = [r.num_computed for r in reqs]
