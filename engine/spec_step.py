@@ -43,13 +43,16 @@ def num_to_verify(reqs: list[Request], proposal: DraftProposal | None, spec: Spe
 
     Threshold: c_k depends on h_k and the previous draft only, so survival prod_{i<=k} c_i >= t decides on
     draft k without looking at it. Budget: the capacity comes from the previous step's survival (stale).
+    Token cap: the step verifies at most dspark_max_verify_tokens drafts, the most likely to survive first.
     """
     n = [max(0, min(r.num_speculative_tokens, max_drafts, r.remaining - 1)) for r in reqs]
     thresholds = [spec.dspark_confidence_threshold if r.confidence_threshold is None else r.confidence_threshold
                   for r in reqs]
-    if proposal is None or proposal.confidence_logits is None or (spec.dspark_budget_frac <= 0
-                                                                  and not any(t > 0 for t in thresholds)):
-        return n  # nothing to trim: no device -> host read of the confidences
+    cap = spec.dspark_max_verify_tokens
+    capped = 0 < cap < sum(n)
+    has_conf = proposal is not None and proposal.confidence_logits is not None
+    if not has_conf or (spec.dspark_budget_frac <= 0 and not any(t > 0 for t in thresholds) and not capped):
+        return _cap_tokens(n, None, cap) if capped else n  # no device -> host read of the confidences
     survival = torch.sigmoid(proposal.confidence_logits).cumprod(-1).cpu()  # [R, N]
     if any(t > 0 for t in thresholds):
         confident = (survival >= torch.tensor(thresholds)[:, None]).sum(-1).tolist()
@@ -58,7 +61,18 @@ def num_to_verify(reqs: list[Request], proposal: DraftProposal | None, spec: Spe
         n = [min(a, b) for a, b in zip(n, _budget_capacity(reqs, spec.dspark_budget_frac, max_drafts))]
     for r, s in zip(reqs, survival):
         r.last_survival = s
-    return n
+    return _cap_tokens(n, survival, cap) if 0 < cap < sum(n) else n
+
+
+def _cap_tokens(n: list[int], survival: Tensor | None, cap: int) -> list[int]:
+    """Keep the `cap` slots (request r, draft k < n[r]) ranked by survival [R, N] (or by k without it); ties go to
+    the earlier draft, so a slot's fate depends on its own prefix and other requests only: each row keeps a prefix."""
+    s = survival.tolist() if survival is not None else None
+    slots = [(-(s[r][k] if s is not None else 0.0), k, r) for r, m in enumerate(n) for k in range(m)]
+    keep = [0] * len(n)
+    for _, _, r in sorted(slots)[:cap]:
+        keep[r] += 1
+    return keep
 
 
 def _budget_capacity(reqs: list[Request], frac: float, max_drafts: int) -> list[int]:
