@@ -30,8 +30,9 @@ class DraftInput:
     seeds: Tensor  # [R] int64
 
 
-def draft_input(reqs: list[Request], temperature: Tensor, seeds: Tensor) -> DraftInput:
-    """Collect the step's draft input and mark the pending features as handed over."""
+def draft_input(reqs: list[Request]) -> DraftInput:
+    """Collect the step's draft input (host tensors, except the features) and mark the pending features as
+    handed over."""
     width = max(len(r.draft_blocks) for r in reqs)
     feats = [f for r in reqs for f in r.pending_features]
     inp = DraftInput(
@@ -40,7 +41,8 @@ def draft_input(reqs: list[Request], temperature: Tensor, seeds: Tensor) -> Draf
         ctx_len=torch.tensor([r.num_computed - r.draft_context_len for r in reqs]),
         features=torch.cat(feats) if feats else None,
         block_table=torch.tensor([r.draft_blocks + [0] * (width - len(r.draft_blocks)) for r in reqs]),
-        temperature=temperature.cpu(), seeds=seeds.cpu())
+        temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32),
+        seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64))
     for r in reqs:
         r.draft_context_len, r.pending_features = r.num_computed, []
     return inp

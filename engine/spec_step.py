@@ -22,12 +22,22 @@ class StepResult:
     num_drafted: list[int]
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list on the device without a stream sync (a copy from pageable memory would wait for the GPU)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def sampling_tensors(reqs: list[Request], device: torch.device) -> dict[str, Tensor]:
+    """Per-request parameters and anchor positions [R], in two host-to-device copies."""
     p = [r.params for r in reqs]
-    t = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)  # noqa: E731
-    return {"temperature": t([x.temperature for x in p], torch.float32), "top_k": t([x.top_k for x in p], torch.int64),
-            "top_p": t([x.top_p for x in p], torch.float32), "min_p": t([x.min_p for x in p], torch.float32),
-            "seeds": t([r.seed for r in reqs], torch.int64), "is_greedy": t([x.is_greedy for x in p], torch.bool)}
+    floats = to_device([[x.temperature for x in p], [x.top_p for x in p], [x.min_p for x in p]], torch.float32, device)
+    ints = to_device([[x.top_k for x in p], [r.seed for r in reqs], [int(x.is_greedy) for x in p],
+                      [r.anchor_pos for r in reqs]], torch.int64, device)
+    return {"temperature": floats[0], "top_p": floats[1], "min_p": floats[2], "top_k": ints[0], "seeds": ints[1],
+            "is_greedy": ints[2].bool(), "anchor_pos": ints[3]}
 
 
 def verify_hints(reqs: list[Request]) -> dict:
@@ -96,7 +106,7 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     t0 = time.perf_counter()
     proposal = None
     if draft is not None and any(want):
-        proposal = draft.propose(draft_input(reqs, params["temperature"], params["seeds"]))
+        proposal = draft.propose(draft_input(reqs))
     t1 = time.perf_counter()
     n = num_to_verify(reqs, proposal, spec, max_drafts) if proposal is not None else [0] * len(reqs)
     drafts = proposal.tokens.to(dev) if proposal is not None else None
@@ -104,10 +114,10 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     if drafts is None:
         drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
     width = logits.shape[1] - 1
-    positions = torch.tensor([[r.anchor_pos + 1 + i for i in range(width + 1)] for r in reqs], device=dev)
+    positions = params["anchor_pos"][:, None] + 1 + torch.arange(width + 1, device=dev)  # [R, width + 1]
     dense = proposal.dense_probs(target.vocab_size) if proposal is not None else None
     q = dense[:, :width].to(dev) if dense is not None else None
-    result = verify_mixed(drafts[:, :width], torch.tensor(n, device=dev), logits, q, params["is_greedy"],
+    result = verify_mixed(drafts[:, :width], to_device(n, torch.int64, dev), logits, q, params["is_greedy"],
                           params["temperature"], params["top_k"], params["top_p"], params["min_p"],
                           params["seeds"], positions, **verify_hints(reqs))
     packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1).tolist()  # the step's host sync
