@@ -29,6 +29,26 @@ class GraphBuckets:
 MAX_GRAPH_TOKENS = 512  # each graph keeps its own [tokens, vocab] fp32 logits: larger steps run eagerly
 
 
+class Staging:
+    """A pinned host buffer and its device twin: `upload(values)` is one non-blocking copy, and waits first until
+    the previous copy has left the host buffer (so a step never overwrites data still in flight)."""
+
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(n, dtype=dtype, pin_memory=cuda)
+        self.dev = torch.zeros(n, dtype=dtype, device=device)
+        self._copied = torch.cuda.Event() if cuda else None
+
+    def upload(self, values: list) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+        n = len(values)
+        self.host[:n] = torch.tensor(values, dtype=self.host.dtype)
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+
 def _bucket(n: int, sizes: tuple[int, ...]) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
@@ -46,11 +66,8 @@ class TargetGraphs:
         top = -(-max_model_len // block_size) * block_size
         self.buckets = GraphBuckets(buckets.batch, tuple(c for c in buckets.context if c < top) + (top,))
         b, q = max(self.buckets.batch), max(self.query_lens)
-        n = 3 * b * q + b + b * (top // block_size)
-        cuda = self.device.type == "cuda"
-        self.host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
-        self.dev = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self._copied = torch.cuda.Event() if cuda else None
+        self.staging = Staging(3 * b * q + b + b * (top // block_size), torch.int64, self.device)
+        self.dev = self.staging.dev
         self._runners: dict[tuple[int, int, int], Callable[[], tuple[Tensor, Tensor | None]]] = {}
         self._pool = None
 
@@ -70,7 +87,7 @@ class TargetGraphs:
         features [R, q, F] (an owned copy). With `drafts` [R, N] on the device, tokens[r][1:] are placeholders
         and the drafts are copied in on the device, so they never visit the host."""
         q, b, c = shape
-        self._upload(self._layout(block_tables, starts, tokens, q, b, c))
+        self.staging.upload(self._layout(block_tables, starts, tokens, q, b, c))
         if drafts is not None and q > 1:
             k = min(q - 1, drafts.shape[1])
             self.dev[:b * q].view(b, q)[:len(tokens), 1:1 + k].copy_(drafts[:, :k])
@@ -94,15 +111,6 @@ class TargetGraphs:
             table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
         return ids + pos + slots + seq + table
 
-    def _upload(self, values: list[int]) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the pinned buffer
-        n = len(values)
-        self.host[:n] = torch.tensor(values, dtype=torch.int64)
-        self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-
     def _build(self, q: int, b: int, c: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
         w, n = c // self.block_size, b * q
         d = self.dev
@@ -118,7 +126,7 @@ class TargetGraphs:
         if not self.capture:
             return forward
         step = self.dev[:3 * n + b + b * w].clone()  # this step's metadata; capture runs on padding only
-        self._upload(self._layout([], [], [], q, b, c))
+        self.staging.upload(self._layout([], [], [], q, b, c))
         try:
             replay, self._pool = capture(forward, self._pool)
         except RuntimeError as e:  # keep serving: this and later shapes run the static path eagerly

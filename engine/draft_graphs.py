@@ -16,7 +16,7 @@ from torch import Tensor
 
 from dspark_serve.kernels.attention import AttentionMetadata
 
-from .cuda_graphs import GraphBuckets, _bucket, capture
+from .cuda_graphs import GraphBuckets, Staging, _bucket, capture
 
 if TYPE_CHECKING:
     from .draft_side import DraftProposal, DraftSide
@@ -32,12 +32,9 @@ class DraftGraphs:
         top = -(-(max_model_len + self.ql) // self.bs) * self.bs
         self.buckets = GraphBuckets(buckets.batch, tuple(c for c in buckets.context if c < top) + (top,))
         b = max(self.buckets.batch)
-        cuda = self.device.type == "cuda"
-        self.host = torch.zeros(4 * b + 2 * b * self.ql + b * (top // self.bs), dtype=torch.int64, pin_memory=cuda)
-        self.dev = torch.zeros_like(self.host, device=self.device)
-        self.temp_host = torch.zeros(b, dtype=torch.float32, pin_memory=cuda)
-        self.temp_dev = torch.zeros(b, dtype=torch.float32, device=self.device)
-        self._copied = torch.cuda.Event() if cuda else None
+        self.ints = Staging(4 * b + 2 * b * self.ql + b * (top // self.bs), torch.int64, self.device)
+        self.temps = Staging(b, torch.float32, self.device)  # per-row temperature, 0 on padded rows
+        self.dev = self.ints.dev
         self._runners: dict[tuple[int, int, bool], Callable[[], "DraftProposal"]] = {}
         self._pool = None
 
@@ -51,7 +48,8 @@ class DraftGraphs:
                 seeds: list[int], need_q: bool, shape: tuple[int, int]) -> "DraftProposal":
         """The proposal for len(anchors) requests; its tensors are valid until the next propose."""
         b, c = shape
-        self._upload(self._layout(anchors, anchor_pos, tables, seeds, b, c), temperature, b)
+        self.ints.upload(self._layout(anchors, anchor_pos, tables, seeds, b, c))
+        self.temps.upload(temperature.tolist() + [0.0] * (b - len(anchors)))
         key = (b, c, need_q)
         if key not in self._runners:
             self._runners[key] = self._build(b, c, need_q)
@@ -73,18 +71,6 @@ class DraftGraphs:
         return list(anchors) + [0] * pad + list(anchor_pos) + [0] * pad + list(seeds) + [0] * pad + seq + pos \
             + slots + table
 
-    def _upload(self, values: list[int], temperature: Tensor, b: int) -> None:
-        if self._copied is not None:
-            self._copied.synchronize()
-        n = len(values)
-        self.host[:n] = torch.tensor(values, dtype=torch.int64)
-        self.temp_host[:b].zero_()
-        self.temp_host[:temperature.shape[0]] = temperature
-        self.dev[:n].copy_(self.host[:n], non_blocking=True)
-        self.temp_dev[:b].copy_(self.temp_host[:b], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-
     def _build(self, b: int, c: int, need_q: bool) -> Callable[[], "DraftProposal"]:
         side, ql, w = self.side, self.ql, c // self.bs
         m, cfg, n = side.model, side.model.config, side.num_speculative_tokens
@@ -95,7 +81,7 @@ class DraftGraphs:
         meta = AttentionMetadata(cu_seqlens_q=torch.arange(b + 1, device=self.device) * ql, seq_lens=seq,
                                  slot_mapping=slots, block_table=table, max_query_len=ql, max_seq_len=c,
                                  causal=False, all_slots_valid=True)
-        temperature, first = self.temp_dev[:b], 0 if cfg.anchor_first else 1
+        temperature, first = self.temps.dev[:b], 0 if cfg.anchor_first else 1
 
         def forward() -> "DraftProposal":
             ids = torch.full((b, ql), cfg.mask_token_id, dtype=torch.int64, device=self.device)
@@ -104,12 +90,13 @@ class DraftGraphs:
             return side._markov_walk(hidden, m.base_logits(hidden), anchors, temperature, seeds, anchor_pos, need_q)
         if not self.capture:
             return forward
-        step = (self.dev.clone(), self.temp_dev.clone())  # capture runs on padding only
-        self._upload(self._layout([], [], [], [], b, c), torch.zeros(0), b)
+        step = (self.ints.dev.clone(), self.temps.dev.clone())  # capture runs on padding only
+        self.ints.upload(self._layout([], [], [], [], b, c))
+        self.temps.upload([0.0] * b)
         try:
             replay, self._pool = capture(forward, self._pool)
         except RuntimeError as e:  # keep serving: this and later shapes run the static path eagerly
             warnings.warn(f"CUDA graph capture failed for the draft, running eagerly from now on: {e}")
             self.capture, replay = False, forward
-        self.dev.copy_(step[0]), self.temp_dev.copy_(step[1])
+        self.ints.dev.copy_(step[0]), self.temps.dev.copy_(step[1])
         return replay

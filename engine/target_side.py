@@ -41,7 +41,12 @@ class TargetSide:
         if shape is None or drafts is None:
             rows = drafts.tolist() if drafts is not None else [[] for _ in reqs]
             return self.run(reqs, [[r.anchor] + d[:k] for r, d, k in zip(reqs, rows, n)], last_only=False)
-        tokens = [[r.anchor] + [0] * k for r, k in zip(reqs, n)]
+        return self._run_static(reqs, starts, [[r.anchor] + [0] * k for r, k in zip(reqs, n)], shape, drafts)
+
+    def _run_static(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], shape: tuple[int, int, int],
+                    drafts: Tensor | None = None) -> tuple[Tensor, list[Tensor | None]]:
+        """run()'s outputs from the bucket's graph (drafts: see TargetGraphs.run)."""
+        lens = [len(t) for t in tokens]
         logits, feats = self.graphs.run([r.target_blocks for r in reqs], starts, tokens, shape, drafts=drafts)
         return logits[:, :max(lens)], [f[:k] for f, k in zip(feats, lens)] if feats is not None else [None] * len(reqs)
 
@@ -58,9 +63,7 @@ class TargetSide:
         lens = [len(t) for t in tokens]
         shape = self.graphs.shape_for(starts, lens) if self.graphs is not None and not last_only else None
         if shape is not None:
-            logits, feats = self.graphs.run([r.target_blocks for r in reqs], starts, tokens, shape)
-            width = max(lens)
-            return logits[:, :width], [f[:n] for f, n in zip(feats, lens)] if feats is not None else [None] * len(reqs)
+            return self._run_static(reqs, starts, tokens, shape)
         meta = batch_metadata([r.target_blocks for r in reqs], starts, lens, self.block_size, self.device)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
         hidden, feats = self.model(ids, positions_of(starts, lens, self.device), meta, self.cache,

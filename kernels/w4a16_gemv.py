@@ -66,6 +66,17 @@ def e2m1_value(code):
 
 
 @triton.jit
+def _store_row(acc, scale_2_ptr, out_ptr, pid_n, N, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+    """acc [BN] fp32 (one output row, M = 1) times weight_scale_2, stored, or added when K is split."""
+    acc *= tl.load(scale_2_ptr)
+    n1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + n1, acc.to(out_ptr.dtype.element_ty), mask=n1 < N)
+    else:
+        tl.atomic_add(out_ptr + n1, acc, mask=n1 < N)
+
+
+@triton.jit
 def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_2_ptr, out_ptr, M, N, K, stride_xm, stride_om,
                        K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, JOIN: tl.constexpr):
@@ -120,12 +131,7 @@ def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_2_ptr, out_ptr, M, N,
             s = fp8e4m3_to_f32(tl.load(scale_ptr + rows * (K // 16) + k0 // 16 + grp,
                                        mask=(rows < N) & (k0 + 16 * grp < k_hi), other=0))    # [BN, G]
             acc += tl.sum(t * s, axis=1)
-        acc *= tl.load(scale_2_ptr)
-        n1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if SPLIT_K == 1:
-            tl.store(out_ptr + n1, acc.to(out_ptr.dtype.element_ty), mask=n1 < N)
-        else:
-            tl.atomic_add(out_ptr + n1, acc, mask=n1 < N)
+        _store_row(acc, scale_2_ptr, out_ptr, pid_n, N, BLOCK_N, SPLIT_K)
     else:
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]          # [BN, 1, 1]
         grp = tl.arange(0, G)[None, :, None]                                   # [1, G, 1]
@@ -142,12 +148,7 @@ def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_2_ptr, out_ptr, M, N,
             s = fp8e4m3_to_f32(tl.load(scale_ptr + rows * (K // 16) + k0 // 16 + grp,
                                        mask=(rows < N) & gmask, other=0))                          # [BN, G, 1]
             acc += tl.sum(t * tl.reshape(s, (BLOCK_N, G)), axis=1)
-        acc *= tl.load(scale_2_ptr)
-        n1 = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if SPLIT_K == 1:
-            tl.store(out_ptr + n1, acc.to(out_ptr.dtype.element_ty), mask=n1 < N)
-        else:
-            tl.atomic_add(out_ptr + n1, acc, mask=n1 < N)
+        _store_row(acc, scale_2_ptr, out_ptr, pid_n, N, BLOCK_N, SPLIT_K)
 
 
 def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor,

@@ -61,21 +61,20 @@ def test_tokenizer_matches_transformers(tiny, converted):
 def test_unsupported_arch_and_missing_tensor(tmp_path):
     import gguf
 
-    w = gguf.GGUFWriter(str(tmp_path / "llama.gguf"), "llama")
-    w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def write(name: str, arch: str, tensors: dict) -> None:
+        w = gguf.GGUFWriter(str(tmp_path / name), arch)
+        w.add_block_count(1)
+        for key, value in tensors.items():
+            w.add_tensor(key, value)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    write("llama.gguf", "llama", {})
     with pytest.raises(CheckpointError, match="architecture 'llama' is not supported"):
         convert_gguf(tmp_path / "llama.gguf", tmp_path / "out", progress=False)
-    w = gguf.GGUFWriter(str(tmp_path / "empty.gguf"), "qwen2")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write("empty.gguf", "qwen2", {"token_embd.weight": torch.zeros(8, 4).numpy()})
     with pytest.raises(CheckpointError, match="tensors missing.*output_norm.weight"):
         convert_gguf(tmp_path / "empty.gguf", tmp_path / "out", progress=False)
 
