@@ -45,8 +45,9 @@ def target_config(name: str, dtype: torch.dtype) -> ModelConfig:
                        max_position=40960, tie_word_embeddings=tied, attention_bias=False, dtype=dtype)
 
 
-def random_module(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    module = module.to(device=device, dtype=dtype)
+def random_module(make, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    with torch.device(device):  # built on the device: an 8B model initialised on the host takes minutes
+        module = make().to(dtype=dtype)
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0.0, 0.02)
@@ -89,7 +90,7 @@ def requests(batch: int, context: int, n_draft: int) -> list[Request]:
 def bench_target(name: str, batches: list[int], context: int, device: str, dtype: torch.dtype, iters: int,
                  gbps: float) -> list[dict]:
     cfg = target_config(name, dtype)
-    model = random_module(QwenForCausalLM(cfg), device, dtype).eval()
+    model = random_module(lambda: QwenForCausalLM(cfg), device, dtype).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     floor_ms = weight_bytes / gbps / 1e6
     need = max(batches) * -(-(context + 16) // BLOCK)
@@ -125,27 +126,28 @@ def bench_draft(name: str, batches: list[int], context: int, device: str, dtype:
                        enable_confidence_head=True)
     rows = []
     for fmt in ("bf16", "nvfp4"):
-        draft = random_module(DSparkDraft(dcfg), device, dtype).eval()
+        draft = random_module(lambda: DSparkDraft(dcfg), device, dtype).eval()
         if fmt == "nvfp4":
             for mod_name, mod in list(draft.named_modules()):
                 if isinstance(mod, torch.nn.Linear) and (mod_name == "fc" or "_proj" in mod_name
                                                          or mod_name.endswith("markov_w2")):
                     parent, _, child = mod_name.rpartition(".")
                     setattr(draft.get_submodule(parent) if parent else draft, child, NVFP4Linear.from_linear(mod))
-        for topk in topks:
+        for topk, static, batch in [(t, s, b) for t in topks for s in (True, False) for b in batches]:
             spec = SpeculativeConfig(dspark_draft_topk=topk)
-            for batch in batches:
-                side = DraftSide(draft, batch * -(-(context + 16) // BLOCK), BLOCK, spec, tcfg.vocab_size)
-                tables = [side.allocator.allocate(context + 16) for _ in range(batch)]
-                width = max(len(t) for t in tables)
-                inp = DraftInput(anchors=torch.full((batch,), 5), anchor_pos=torch.full((batch,), context),
-                                 ctx_start=torch.full((batch,), context), ctx_len=torch.zeros(batch, dtype=torch.int64),
-                                 features=None, block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                                 temperature=torch.zeros(batch), seeds=torch.arange(batch))
-                ms = time_ms(lambda: side.propose(inp), device, iters)
-                v = verify_ms.get(batch)
-                rows.append({"model": name, "draft_layers": n_layers, "format": fmt, "topk": topk, "batch": batch,
-                             "draft_ms": ms, "verify_ms": v, "draft_over_verify": ms / v if v else None})
+            side = DraftSide(draft, batch * -(-(context + 16) // BLOCK), BLOCK, spec, tcfg.vocab_size)
+            if static:
+                side.use_static_shapes(context + 64)
+            tables = [side.allocator.allocate(context + 16) for _ in range(batch)]
+            width = max(len(t) for t in tables)
+            inp = DraftInput(anchors=torch.full((batch,), 5), anchor_pos=torch.full((batch,), context),
+                             ctx_start=torch.full((batch,), context), ctx_len=torch.zeros(batch, dtype=torch.int64),
+                             features=None, block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             temperature=torch.zeros(batch), seeds=torch.arange(batch))
+            ms = time_ms(lambda: side.propose(inp), device, iters)
+            v = verify_ms.get(batch)
+            rows.append({"model": name, "draft_layers": n_layers, "format": fmt, "topk": topk, "graphs": static,
+                         "batch": batch, "draft_ms": ms, "verify_ms": v, "draft_over_verify": ms / v if v else None})
         del draft
     return rows
 
@@ -180,10 +182,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['model']:>5} {str(r['graphs']):>6} {r['batch']:>5} {r['plain_ms']:>9.3f} {r['plain_tok_s']:>9.1f} "
               f"{r['floor_ms']:>9.3f} {100 * r['pct_of_floor']:>6.1f}% {r['verify_ms']:>10.3f} "
               f"{r['verify_over_plain']:>5.2f}")
-    print(f"{'model':>5} {'fmt':>5} {'topk':>4} {'batch':>5} {'draft ms':>9} {'draft/verify':>12}")
+    print(f"{'model':>5} {'fmt':>5} {'topk':>4} {'graphs':>6} {'batch':>5} {'draft ms':>9} {'draft/verify':>12}")
     for r in result["draft"]:
         ratio = f"{r['draft_over_verify']:.3f}" if r["draft_over_verify"] is not None else "-"
-        print(f"{r['model']:>5} {r['format']:>5} {r['topk']:>4} {r['batch']:>5} {r['draft_ms']:>9.3f} {ratio:>12}")
+        print(f"{r['model']:>5} {r['format']:>5} {r['topk']:>4} {str(r['graphs']):>6} {r['batch']:>5} "
+              f"{r['draft_ms']:>9.3f} {ratio:>12}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

@@ -200,11 +200,13 @@ def test_regenerate_only_then_train_from_responses(tmp_path, capsys):
 
     out = tmp_path / "draft"
     capsys.readouterr()
-    assert train_main(common + ["--responses", str(regen / "prompts.jsonl"), "--out", str(out), "--draft-layers", "1",
+    rs = str(regen / "prompts.jsonl")
+    assert train_main(common + ["--responses", rs, "--responses", rs, "--out", str(out), "--draft-layers", "1",
                                 "--block-size", "4", "--markov-rank", "16", "--steps", "3", "--batch-size", "2",
                                 "--num-anchors", "4", "--no-shared-copies", "--save-every-minutes", "0"]) == 0
     assert len((out / "train_log.jsonl").read_text().splitlines()) == 3
     err = capsys.readouterr().err
+    assert f"train-draft: 16 prompts with responses from {rs}, {rs}" in err  # --responses concatenates files
     assert [f"step {i}: wrote {out}" in err for i in range(3)] == [True] * 3  # a checkpoint after every step
     load_draft(out, target=load_target(target_dir))
 

