@@ -152,4 +152,5 @@ def capture(forward: Callable[[], object], pool: object = None) -> tuple[Callabl
     def replay() -> object:
         graph.replay()
         return out
+    replay.forward = forward  # keeps alive what the graph reads and forward's closure owns (the metadata tensors)
     return replay, graph.pool()

@@ -92,9 +92,10 @@ def load_draft(path: str | Path, target: QwenForCausalLM | None = None, dtype: t
             swap_in_nvfp4(model, nvfp4_state, names)
         except ValueError as e:
             raise CheckpointError(f"{where}: NVFP4 layer {e}") from e
+    model = model.to(device)  # before sharing: moving the draft must never move the target's modules
     if target is not None:
         _share(model, target, state, names)
-    return model.to(device).eval()
+    return model.eval()
 
 
 def _take_nvfp4(path: str | Path, state: dict[str, Tensor], where: str) -> tuple[set[str], dict[str, Tensor]]:

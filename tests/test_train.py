@@ -21,7 +21,9 @@ from dspark_serve.train.anchors import build_blocks, pack, sample_anchors
 from dspark_serve.train.block_forward import block_forward
 from dspark_serve.train.cli import main as train_main
 from dspark_serve.train.data import CHAT_TEMPLATE, load_prompts
-from dspark_serve.train.draft_init import build_target_layer_ids, default_mask_token_id, new_draft, used_vocab_size
+from dspark_serve.models.draft_saver import save_draft
+from dspark_serve.train.draft_init import (build_target_layer_ids, default_mask_token_id, new_draft, resume_draft,
+                                           used_vocab_size)
 from dspark_serve.train.loss import dspark_loss
 from dspark_serve.train.trainer import TrainConfig, lr_at
 
@@ -219,6 +221,24 @@ def test_regenerate_only_then_train_from_responses(tmp_path, capsys):
         train_main(common + ["--responses", str(bad), "--out", str(out)])
     with pytest.raises(SystemExit):
         train_main(common + ["--out", str(out)])  # neither --data nor --responses
+
+
+def test_resume_draft_leaves_the_targets_shared_modules_alone(tmp_path):
+    """A bf16 target with a draft continued in fp32: the draft's embedding / lm_head stay the target's, in bf16."""
+    target, draft = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.bfloat16)
+    save_draft(draft, tmp_path / "d", "deepspec", with_shared=False)
+    resumed = resume_draft(tmp_path / "d", target)
+    assert resumed.lm_head is target.lm_head and resumed.embed_tokens is target.model.embed_tokens
+    assert target.lm_head.weight.dtype == target.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert not target.lm_head.weight.requires_grad
+    trainable = [p for p in resumed.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    ids = torch.tensor([1, 2, 3])
+    meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 3]), seq_lens=torch.tensor([3]),
+                             slot_mapping=torch.arange(3), block_table=torch.tensor([[0]]), max_query_len=3,
+                             max_seq_len=3)
+    hidden, _ = target(ids, torch.arange(3), meta, target.allocate_kv_cache(1, 8))
+    assert target.compute_logits(hidden).shape == (3, 256)  # the target still runs in its own dtype
 
 
 def test_lr_schedule_steps_and_time_boxed():

@@ -78,20 +78,20 @@ def new_draft(target: QwenForCausalLM, num_layers: int = 2, block_size: int = 7,
 
 def resume_draft(path: str | Path, target: QwenForCausalLM) -> DSparkDraft:
     """An fp32, trainable draft from a checkpoint (any supported format; NVFP4 layers come back dequantized)."""
-    draft = load_draft(path, target=target, dtype=torch.float32)
+    device = target.lm_head.weight.device
+    draft = load_draft(path, target=target, dtype=torch.float32, device=device)
     if not draft.config.anchor_first:
         raise ValueError(f"{path}: training continues anchor-first drafts only (DeepSpec layout)")
     for name, mod in list(draft.named_modules()):
         if isinstance(mod, NVFP4Linear):
-            dense = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            dense = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None, device=device)
             with torch.no_grad():
                 dense.weight.copy_(mod.dequantized_weight(torch.float32))
                 if mod.bias is not None:
                     dense.bias.copy_(mod.bias.float())
             parent, _, child = name.rpartition(".")
             setattr(draft.get_submodule(parent) if parent else draft, child, dense)
-    draft = draft.float().to(target.lm_head.weight.device)
-    freeze_shared(draft)
+    freeze_shared(draft)  # the shared embedding / lm_head stay the target's, in its dtype
     return draft
 
 
