@@ -12,6 +12,7 @@ integer ops into fp32 bits (no table, no cvt). Two reductions:
 
 Even and odd K columns are handled separately (low / high nibble), so the packed bytes are never interleaved.
 weight_scale_2 is applied once at the end. Split-K (fp32 atomics + cast) only when there are too few N tiles.
+``GemvConfig(words=True)`` runs the int32-word CUDA-core kernel of `w4a16_gemv_words` instead, for any M <= 16.
 """
 
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from .nvfp4_triton import fp8e4m3_to_f32
 from .nvfp4_ref import check_packed
+from .w4a16_gemv_words import gemv_words
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     join: bool = True     # M == 1 path: x loaded contiguous, codes interleaved with tl.join (else [BN, G, 8] tiles)
+    words: bool = False   # the int32-word CUDA-core kernel (w4a16_gemv_words.py) for any M <= 16; use_dot, join unused
 
 
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
@@ -50,6 +53,16 @@ def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfi
     while tiles * split < 240 and split * 2 <= steps:
         split *= 2
     return GemvConfig(block_n, block_k, split, True, num_warps=4, num_stages=3, join=False)
+
+
+def words_config(n: int, k: int, block_n: int, block_k: int, num_warps: int, num_sms: int = 132,
+                 waves: int = 4) -> GemvConfig:
+    """A words-kernel config whose split-K (a power of 2, at most one block_k step per split) gives at least
+    `waves` programs per SM."""
+    tiles, steps, split = triton.cdiv(n, block_n), triton.cdiv(k, block_k), 1
+    while tiles * split < waves * num_sms and split * 2 <= steps:
+        split *= 2
+    return GemvConfig(block_n, block_k, split, num_warps=num_warps, words=True)
 
 
 @triton.jit
@@ -166,6 +179,11 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_gemv_config(m, n, k)
+    if cfg.words:
+        if cfg.block_k < 64 or cfg.block_k & (cfg.block_k - 1) or k % 16:
+            raise ValueError(f"bad GemvConfig {cfg} for K = {k}: words needs a power-of-2 block_k >= 64, K % 16 == 0")
+        return gemv_words(x, packed, weight_scale, weight_scale_2, cfg.block_n, cfg.block_k, cfg.split_k,
+                          cfg.num_warps, cfg.num_stages)
     if cfg.block_k % 32 or (cfg.use_dot and cfg.block_n < 16):
         raise ValueError(f"bad GemvConfig {cfg}")
     use_dot = cfg.use_dot or m > 1

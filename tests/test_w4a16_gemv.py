@@ -16,7 +16,8 @@ if not INTERPRETED:
 else:
     from dspark_serve.kernels import nvfp4_ref
     from dspark_serve.kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
-    from dspark_serve.kernels.w4a16_gemv import GemvConfig, e2m1_value, w4a16_gemv
+    from dspark_serve.kernels.w4a16_gemv import GemvConfig, e2m1_value, w4a16_gemv, words_config
+    from dspark_serve.kernels.w4a16_gemv_words import e2m1_subnormal, spread_signs
 
     import triton
     import triton.language as tl
@@ -43,6 +44,41 @@ else:
         mags = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
         assert out.tolist() == mags + [-v for v in mags]
         assert out[8].item() == 0.0
+
+    @triton.jit
+    def _words_decode_kernel(q_ptr, out_ptr):
+        q = tl.load(q_ptr + tl.arange(0, 16))[:, None]                          # [16, 1] words
+        za, zb = spread_signs(q)
+        w = e2m1_subnormal(za, zb, tl.arange(0, 8)[None, :])                    # [16, 8]
+        tl.store(out_ptr + tl.arange(0, 16)[:, None] * 8 + tl.arange(0, 8)[None, :], w)
+
+    def test_e2m1_subnormal_all_codes_all_positions():
+        codes = (torch.arange(16)[:, None] + torch.arange(8)[None, :]) % 16     # word w, code i: (w + i) % 16
+        words = (codes << (4 * torch.arange(8))).sum(1).to(torch.int64)
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+        out = torch.empty(16, 8)
+        _words_decode_kernel[(1,)](words, out)
+        assert torch.equal(out.double() * 2.0 ** 126, nvfp4_ref.e2m1_decode(codes.to(torch.uint8)).double())
+
+    @pytest.mark.parametrize("m", [1, 3, 8, 16])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+    @pytest.mark.parametrize("bn,bk,split", [(8, 64, 1), (4, 128, 3), (16, 64, 8)])
+    def test_gemv_words_matches_ref(m, dtype, bn, bk, split):
+        n, k = 70, 464                                                  # ragged N; K % 32 == 16
+        packed, scale, scale_2 = nvfp4_ref.quantize(_weight(n, k, seed=7))
+        x = torch.randn(m, k).to(dtype)
+        ref = w4a16_gemm_ref(x, packed, scale, scale_2).float()
+        # another fp32 summation order: allow its rounding relative to sum |x * w| where the output cancels
+        slack = 2 ** -18 * (x.float().abs() @ nvfp4_ref.dequantize(packed, scale, scale_2).abs().T)
+        cfg = GemvConfig(bn, bk, split, num_warps=2, words=True)
+        for _ in range(2):                                              # the split-K workspace is left zeroed
+            got = w4a16_gemv(x, packed, scale, scale_2, config=cfg)
+            assert got.dtype == torch.bfloat16
+            assert ((got.float() - ref).abs() <= 2 ** -7 * ref.abs() + slack).all()
+
+    def test_words_config_fills_waves():
+        assert words_config(4096, 4096, 16, 1024, 4).split_k == 4       # 256 tiles -> 4 steps of 1024
+        assert words_config(151936, 4096, 16, 1024, 4).split_k == 1
 
     @pytest.mark.parametrize("m,n,k", [(1, 64, 256), (1, 37, 1056), (2, 40, 160), (7, 80, 512), (16, 48, 96),
                                        (16, 33, 1024), (5, 16, 32)])
@@ -74,3 +110,5 @@ else:
         packed, scale, scale_2 = nvfp4_ref.quantize(_weight(16, 32))
         with pytest.raises(ValueError):
             w4a16_gemv(torch.randn(17, 32), packed, scale, scale_2)
+        with pytest.raises(ValueError):
+            w4a16_gemv(torch.randn(1, 32), packed, scale, scale_2, config=GemvConfig(8, 96, words=True))
