@@ -75,6 +75,8 @@ class DraftSide:
         self.model, self.spec, self.block_size, self.target_vocab = model, spec, block_size, target_vocab
         self.num_speculative_tokens = spec.num_speculative_tokens or cfg.num_speculative_tokens
         self.device = model.fc.weight.device
+        if self.device.type == "cuda":
+            model.fuse_projections()
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded rows
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: DraftGraphs | None = None

@@ -19,6 +19,8 @@ class TargetSide:
                  capture_layers: tuple[int, ...] = ()) -> None:
         self.model, self.block_size, self.capture_layers = model, block_size, capture_layers
         self.device = model.lm_head.weight.device
+        if self.device.type == "cuda":
+            model.fuse_projections()  # one GEMM for q/k/v and one for gate/up
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded tokens
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: TargetGraphs | None = None

@@ -10,7 +10,7 @@ from dspark_serve.kernels.attention import AttentionMetadata, store_kv
 
 from .draft_config import DraftConfig
 from .layers import RMSNorm, Rotary
-from .qwen import DecoderLayer
+from .qwen import DecoderLayer, run_layers
 
 
 class MarkovHead(nn.Module):
@@ -100,9 +100,13 @@ class DSparkDraft(nn.Module):
         """Query block tokens [R * Q] (non-causal `meta`) -> final-normed hidden [R * Q, hidden]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
-        return self.norm(x)
+        return run_layers(self.layers, x, cos, sin, kv_cache, meta, self.norm, {})
+
+    def fuse_projections(self) -> None:
+        """Dense q/k/v and gate/up each as one GEMM for inference (NVFP4 layers stay separate)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def base_logits(self, hidden: Tensor) -> Tensor:
         """[.., hidden] -> U [.., draft_vocab] fp32, times logit_scale."""

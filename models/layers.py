@@ -50,6 +50,8 @@ class Rotary(nn.Module):
 
 
 class MLP(nn.Module):
+    _gate_up: Tensor | None = None  # set by fuse()
+
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
@@ -59,9 +61,24 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def forward_fused(self, x: Tensor) -> Tensor:
+        """forward() with one gate/up GEMM (after fuse()) and the Triton silu*mul."""
+        from dspark_serve.kernels.fused_ops import silu_mul
+
+        gate_up = F.linear(x, self._gate_up) if self._gate_up is not None else \
+            torch.cat((self.gate_proj(x), self.up_proj(x)), -1)  # [T, 2I]
+        return self.down_proj(silu_mul(gate_up))
+
+    def fuse(self) -> None:
+        """One [2I, hidden] weight for gate and up; their parameters become views into it (inference only)."""
+        if self._gate_up is None and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
+            self._gate_up = _concat_as_views([self.gate_proj.weight, self.up_proj.weight])
+
 
 class AttentionProjections(nn.Module):
     """q/k/v/o projections and the per-head q/k norms (Qwen3) or qkv biases (Qwen2), named as in HF."""
+
+    _qkv: tuple[Tensor, Tensor | None] | None = None  # set by fuse()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -84,9 +101,42 @@ class AttentionProjections(nn.Module):
             q = self.q_norm(q)
         return Rotary.apply(q, cos, sin)
 
+    def fuse(self) -> None:
+        """One [q + 2 kv, hidden] weight (and bias) for q/k/v; their parameters become views into it (inference)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if self._qkv is None and all(type(p) is nn.Linear for p in projs):
+            bias = _concat_as_views([p.bias for p in projs]) if self.q_proj.bias is not None else None
+            self._qkv = (_concat_as_views([p.weight for p in projs]), bias)
+
+    def qkv_fused(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """query() and key_value() with one GEMM (after fuse()) and one Triton kernel for q/k norms and RoPE."""
+        from dspark_serve.kernels.fused_ops import qk_norm_rotary
+
+        t, d = x.shape[0], self.head_dim
+        qkv = F.linear(x, *self._qkv) if self._qkv is not None else \
+            torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)  # [T, (H + 2 KV) * D]
+        q = qkv[:, :self.num_heads * d].view(t, self.num_heads, d)
+        k = qkv[:, self.num_heads * d:(self.num_heads + self.num_kv_heads) * d].view(t, self.num_kv_heads, d)
+        v = qkv[:, (self.num_heads + self.num_kv_heads) * d:].view(t, self.num_kv_heads, d)
+        qw = self.q_norm.weight if self.q_norm is not None else None
+        kw = self.k_norm.weight if self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q, k = qk_norm_rotary(q, k, cos, sin, qw, kw, eps)
+        return q, k, v
+
     def key_value(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return Rotary.apply(k, cos, sin), v
+
+
+def _concat_as_views(params: list[Tensor]) -> Tensor:
+    """Concatenate parameters along dim 0 into one tensor and re-point each parameter at its slice of it."""
+    fused = torch.cat([p.detach() for p in params])
+    start = 0
+    for p in params:
+        p.data = fused[start:start + p.shape[0]]
+        start += p.shape[0]
+    return fused

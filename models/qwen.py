@@ -6,9 +6,13 @@ import torch
 from torch import Tensor, nn
 
 from dspark_serve.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from dspark_serve.kernels.dispatch import use_triton
 
 from .config import ModelConfig
 from .layers import MLP, AttentionProjections, RMSNorm, Rotary
+
+
+MAX_TRITON_QUERY = 16  # query tokens per sequence the Triton attention takes (decode, verify, the draft block)
 
 
 class DecoderLayer(nn.Module):
@@ -29,6 +33,51 @@ class DecoderLayer(nn.Module):
         o = paged_attention(q, kv_cache[0], kv_cache[1], meta, attn.scale)  # [T, H, D]
         x = x + attn.o_proj(o.reshape(x.shape[0], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor,
+                      meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """forward() on the Triton kernels, residual adds fused into the norms: x is the previous layer's MLP output
+        not yet added to `residual` (None before the first layer) -> (this layer's MLP output, its residual)."""
+        from dspark_serve.kernels.fused_ops import rms_norm
+
+        attn, ln = self.self_attn, self.input_layernorm
+        h, residual = (rms_norm(x, ln.weight, ln.eps), x) if residual is None else \
+            rms_norm(x, ln.weight, ln.eps, residual)
+        q, k, v = attn.qkv_fused(h, cos, sin)
+        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping, meta.all_slots_valid)
+        o = attention(q, kv_cache[0], kv_cache[1], meta, attn.scale)  # [T, H, D]
+        ln = self.post_attention_layernorm
+        h, residual = rms_norm(attn.o_proj(o.reshape(x.shape[0], -1)), ln.weight, ln.eps, residual)
+        return self.mlp.forward_fused(h), residual
+
+
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """The Triton paged attention for decode/verify/draft-block queries (<= 16 per sequence), else the reference."""
+    if meta.max_query_len <= MAX_TRITON_QUERY:
+        from dspark_serve.kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def run_layers(layers: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+               final_norm: RMSNorm, want: dict[int, Tensor | None]) -> Tensor:
+    """The decoder stack -> final-normed hidden; fills want[i] with layer i's residual output. Triton kernels on
+    CUDA at inference (kernels/dispatch.py), the reference modules otherwise."""
+    if not use_triton(x):
+        for i, layer in enumerate(layers):
+            x = layer(x, cos, sin, kv_cache[i], meta)
+            if i in want:
+                want[i] = x
+        return final_norm(x)
+    from dspark_serve.kernels.fused_ops import rms_norm
+
+    residual = None
+    for i, layer in enumerate(layers):
+        x, residual = layer.forward_fused(x, residual, cos, sin, kv_cache[i], meta)
+        if i in want:
+            want[i] = x + residual
+    return rms_norm(x, final_norm.weight, final_norm.eps, residual)[0]
 
 
 class QwenModel(nn.Module):
@@ -71,12 +120,15 @@ class QwenForCausalLM(nn.Module):
         want: dict[int, Tensor | None] = {i: None for i in capture_layers}
         if -1 in want:  # DeepSpec's -1: the embedding output
             want[-1] = x
-        for i, layer in enumerate(m.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
-            if i in want:
-                want[i] = x
+        hidden = run_layers(m.layers, x, cos, sin, kv_cache, meta, m.norm, want)
         captured = torch.cat([want[i] for i in capture_layers], dim=-1) if capture_layers else None
-        return m.norm(x), captured
+        return hidden, captured
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up each as one GEMM for inference (parameters become views; call after moving the model)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[T, hidden] -> [T, vocab] fp32."""

@@ -1,0 +1,17 @@
+"""When model code takes the Triton kernels instead of their PyTorch references."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+
+def use_triton(t: Tensor) -> bool:
+    """Inference on CUDA tensors takes the Triton kernels unless DSPARK_TRITON=0; CPU tensors take them only with
+    DSPARK_TRITON=1 under TRITON_INTERPRET=1 (the tests). Autograd always takes the references (no backward)."""
+    mode = os.environ.get("DSPARK_TRITON", "auto")
+    if mode == "0" or torch.is_grad_enabled():
+        return False
+    return t.is_cuda or (mode == "1" and os.environ.get("TRITON_INTERPRET") == "1")

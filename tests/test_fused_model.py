@@ -1,0 +1,77 @@
+"""The models on the Triton fast path (fused norms/RoPE/SwiGLU, one-GEMM q/k/v and gate/up, Triton paged attention)
+against the reference modules, under the CPU interpreter in fp32: the same hidden states, features and tokens.
+
+Reruns itself in a child process with TRITON_INTERPRET=1 (see tests/interpreter.py); DSPARK_TRITON=1 turns the
+fast path on for CPU tensors there.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from interpreter import INTERPRETED, rerun_under_interpreter
+
+if not INTERPRETED:
+    def test_fused_model_under_interpreter():
+        rerun_under_interpreter(__file__)
+else:
+    import dspark_serve.kernels.paged_attention_triton as pat
+    from dspark_serve.engine.kv_cache import batch_metadata
+    from dspark_serve.engine.llm import LLM
+    from dspark_serve.engine.sampling_params import SamplingParams
+    from dspark_serve.models.qwen import QwenForCausalLM
+    from dspark_serve.models.random_init import _randomize, tiny_pair, tiny_target_config
+
+    TABLES = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]  # block size 8: 40 slots per request
+    STEPS = [([0, 0], [20, 5]), ([20, 5], [1, 1]), ([21, 6], [8, 3])]  # prefill (reference attention), decode, verify
+
+    def _steps(model, fused: bool, monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        monkeypatch.setenv("DSPARK_TRITON", "1" if fused else "0")
+        cache = model.allocate_kv_cache(10, 8)
+        g, out = torch.Generator().manual_seed(0), []
+        with torch.inference_mode():
+            for starts, lens in STEPS:
+                ids = torch.randint(0, model.config.vocab_size, (sum(lens),), generator=g)
+                pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+                meta = batch_metadata(TABLES, starts, lens, 8, torch.device("cpu"))
+                out.append(model(ids, pos, meta, cache, capture_layers=(-1, 0, 2)))
+        return out
+
+    @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+    def test_target_fast_path_equals_reference(arch, monkeypatch):
+        torch.manual_seed(0)
+        model = QwenForCausalLM(replace(tiny_target_config(256, num_layers=3), arch=arch, num_heads=6,
+                                        num_kv_heads=2, head_dim=16))
+        _randomize(model, 0.2)
+        model.eval()
+        want = _steps(model, False, monkeypatch)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        model.fuse_projections()
+        assert model.model.layers[0].self_attn._qkv is not None and model.model.layers[0].mlp._gate_up is not None
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())  # views keep every parameter
+        calls = []
+        real = pat.paged_attention_triton
+        monkeypatch.setattr(pat, "paged_attention_triton", lambda *a: calls.append(1) or real(*a))
+        for fused in (False, True):
+            for (h, f), (h_ref, f_ref) in zip(_steps(model, fused, monkeypatch), want):
+                torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(f, f_ref, rtol=1e-4, atol=1e-4)
+        assert len(calls) == 2 * 3  # decode and verify on every layer; the 20-token prefill takes the reference
+
+    @pytest.mark.parametrize("static", [False, True])
+    def test_engine_tokens_on_the_fast_path(static, monkeypatch):
+        target, draft = tiny_pair(seed=4, agree=0.01, block_size=6, dtype=torch.float32)
+        target.fuse_projections(), draft.fuse_projections()
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (3, 19)]
+        params = [SamplingParams(temperature=t, max_tokens=12, seed=i, ignore_eos=True)
+                  for i, t in enumerate((0.0, 0.9))]
+        outs = []
+        for fused in (False, True):
+            monkeypatch.setenv("DSPARK_TRITON", "1" if fused else "0")
+            llm = LLM(target, draft, device="cpu", block_size=8, num_kv_blocks=64, max_model_len=128,
+                      enforce_eager=not static)
+            outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        assert outs[0] == outs[1]
+        assert all(len(t) == 12 for t in outs[0])
