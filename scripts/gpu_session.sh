@@ -7,6 +7,7 @@
 #   regen     the target's greedy responses to the training prompts not in the shipped drafter's data
 #   train     continue the bf16 drafter (.work/drafter-bf16) on all responses, quantize, return both
 #   eval D    bench_pair for drafter D against transformers' compiled generate, then bench_gpu
+#   fast      the Triton fast path's GPU tests, the shipped pair at batch 1 vs compiled generate, bench_gpu
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -44,5 +45,13 @@ eval)
         --speed-prompts 8 --hf-baseline --json "$OUT/bench_pair.json" 2>&1 | tee "$OUT/bench_pair.log"
     timeout 200 python3 bench/bench_gpu.py --models 8b 0.6b --json "$OUT/bench_gpu.json" 2>&1 \
         | tee "$OUT/bench_gpu.log" ;;
+fast)  # the Triton fast path: its GPU tests, then the real pair at batch 1 and the step benchmark
+    timeout 150 python3 -P -m pytest -q tests/gpu/test_fused_ops_gpu.py tests/gpu/test_paged_attention_gpu.py \
+        tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    timeout 170 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 16 \
+        --accept-batch 16 --max-tokens 256 --speed-prompts 8 --hf-baseline --json "$OUT/bench_pair.json" 2>&1 \
+        | tee "$OUT/bench_pair.log" | grep -v Warn | tail -5
+    timeout 110 python3 bench/bench_gpu.py --models 0.6b 8b --batch 1 8 64 --topk 64 --iters 10 \
+        --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac
