@@ -10,9 +10,10 @@ from dspark_serve.models.random_init import tiny_pair
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # fp32: the Triton fast path; fp64: the reference
 @pytest.mark.parametrize("with_draft", [True, False])
-def test_graph_replay_equals_eager(with_draft):
-    target, draft = tiny_pair(seed=3, agree=0.002, block_size=6)
+def test_graph_replay_equals_eager(with_draft, dtype):
+    target, draft = tiny_pair(seed=3, agree=0.002, block_size=6, dtype=dtype)
     target, draft = target.cuda(), draft.cuda()
     draft = draft if with_draft else None
     g = torch.Generator().manual_seed(1)
