@@ -36,6 +36,7 @@ train)
     xz -dc .work/prompts.jsonl.xz > /tmp/p1.jsonl && xz -dc .work/prompts2.jsonl.xz > /tmp/p2.jsonl || exit 1
     cli train-draft --target $T --responses /tmp/p1.jsonl --responses /tmp/p2.jsonl --init-draft .work/drafter-bf16 \
         --out /tmp/more --max-minutes "${2:-7.5}" --save-every-minutes 2 --batch-size 8 --num-anchors 128 \
+        --no-shared-copies \
         --lr "${3:-5e-4}" --epochs 30 --log-every 50 2>&1 | tee "$OUT/train.log"
     cli quantize /tmp/more /tmp/more-q --device cpu 2>&1 | tee -a "$OUT/train.log"
     cp /tmp/more/train_log.jsonl "$OUT/" ; split -b 15M /tmp/more/model.safetensors "$OUT/bf16.part."
