@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
 from torch import Tensor
 
+HAVE_TRITON = importlib.util.find_spec("triton") is not None  # an optional extra (`dspark-serve[triton]`)
+
 
 def use_triton(t: Tensor) -> bool:
-    """Inference on CUDA tensors takes the Triton kernels unless DSPARK_TRITON=0; CPU tensors take them only with
-    DSPARK_TRITON=1 under TRITON_INTERPRET=1 (the tests). Autograd always takes the references (no backward)."""
+    """Inference on bf16/fp32 CUDA tensors takes the Triton kernels unless DSPARK_TRITON=0 or Triton is missing;
+    CPU tensors take them only with DSPARK_TRITON=1 under TRITON_INTERPRET=1 (the tests). Autograd always takes
+    the references (the kernels have no backward)."""
     mode = os.environ.get("DSPARK_TRITON", "auto")
-    if mode == "0" or torch.is_grad_enabled() or t.dtype not in (torch.bfloat16, torch.float32):
+    if mode == "0" or not HAVE_TRITON or torch.is_grad_enabled() or t.dtype not in (torch.bfloat16, torch.float32):
         return False
     return t.is_cuda or (mode == "1" and os.environ.get("TRITON_INTERPRET") == "1")

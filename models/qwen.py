@@ -77,7 +77,8 @@ def run_layers(layers: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, kv_ca
         x, residual = layer.forward_fused(x, residual, cos, sin, kv_cache[i], meta)
         if i in want:
             want[i] = x + residual
-    return rms_norm(x, final_norm.weight, final_norm.eps, residual)[0]
+    w, eps = final_norm.weight, final_norm.eps
+    return rms_norm(x, w, eps) if residual is None else rms_norm(x, w, eps, residual)[0]
 
 
 class QwenModel(nn.Module):
