@@ -4,7 +4,7 @@ batch-1 plain vs speculative tokens/s (optionally against transformers' static-c
 measured in one run.
 
 usage: python bench/bench_pair.py [--target DIR] [--draft DIR] [--accept-batch 32] [--max-tokens 256]
-                                  [--speed-prompts 8] [--hf-baseline] [--json OUT]
+                                  [--speed-prompts 8] [--hf-baseline] [--profile] [--json OUT]
 """
 
 from __future__ import annotations
@@ -59,6 +59,38 @@ def hf_baseline(target: Path, prompts: list[str], max_tokens: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def profile_one(llm: LLM, prompt: str, params: SamplingParams) -> dict:
+    """One batch-1 generation under torch.profiler -> per step: wall ms, the step's regions (dspark.draft /
+    .verify / .accept, host and device ms) and the 20 ops with the most self time (device time on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = llm.target.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        out = llm.generate([prompt], params)[0]
+        if cuda:
+            torch.cuda.synchronize()
+    wall, steps = time.perf_counter() - t0, max(out.stats["steps"], 1)
+    dev = lambda e, total=False: getattr(e, ("" if total else "self_") + "device_time_total", 0.0)  # noqa: E731
+    own = (lambda e: dev(e)) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
+    events = prof.key_averages()
+    per_step = lambda us: us / 1e3 / steps  # noqa: E731
+    return {"steps": steps, "tokens": len(out.token_ids), "wall_ms_per_step": wall * 1e3 / steps,
+            "regions": {e.key: {"host_ms": per_step(e.cpu_time_total), "device_ms": per_step(dev(e, True))}
+                        for e in events if e.key.startswith("dspark.")},
+            "top_ops": [{"op": e.key, "calls_per_step": e.count / steps, "self_ms": per_step(own(e))}
+                        for e in sorted(events, key=own, reverse=True)[:20]]}
+
+
+def print_profile(name: str, p: dict) -> None:
+    print(f"profile {name}: {p['steps']} steps, {p['wall_ms_per_step']:.3f} ms/step (profiled)")
+    for region, t in sorted(p["regions"].items()):
+        print(f"  {region:<16} host {t['host_ms']:.3f} ms  device {t['device_ms']:.3f} ms")
+    for o in p["top_ops"][:12]:
+        print(f"  {o['self_ms']:8.3f} ms {o['calls_per_step']:7.1f}x  {o['op'][:90]}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(demo_target_dir()))
@@ -73,6 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the checkpoint's on CUDA, fp32 on CPU")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to compare)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one batch-1 code prompt, plain and speculative (per-step regions, top ops)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
@@ -114,6 +148,12 @@ def main(argv: list[str] | None = None) -> dict:
             speed["spec_over_hf"] = spec_tps / speed["hf_compiled_tok_s"]
             speed["plain_over_hf"] = plain_tps / speed["hf_compiled_tok_s"]
         result["speed"] = speed
+    if args.profile:
+        prompt = sets.get("code", next(iter(sets.values())))[0]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        result["profile"] = {"plain": profile_one(plain, prompt, params), "spec": profile_one(spec, prompt, params)}
+        for name, p in result["profile"].items():
+            print_profile(name, p)
     print(f"{'set':>5} {'T':>3} {'tau':>5}  per-position acceptance")
     for r in result["acceptance"]:
         print(f"{r['set']:>5} {r['temperature']:>3g} {r['tau']:>5.2f}  "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from .draft_side import DraftProposal, DraftSide, draft_input
 from .rejection import verify_mixed
@@ -105,22 +106,25 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     want = [max(0, min(r.num_speculative_tokens, max_drafts, r.remaining - 1)) for r in reqs]
     t0 = time.perf_counter()
     proposal = None
-    if draft is not None and any(want):
-        proposal = draft.propose(draft_input(reqs))
+    with record_function("dspark.draft"):  # the regions bench/bench_pair.py --profile reports
+        if draft is not None and any(want):
+            proposal = draft.propose(draft_input(reqs))
     t1 = time.perf_counter()
     n = num_to_verify(reqs, proposal, spec, max_drafts) if proposal is not None else [0] * len(reqs)
     drafts = proposal.tokens.to(dev) if proposal is not None else None
-    logits, feats = target.verify(reqs, drafts, n)
+    with record_function("dspark.verify"):
+        logits, feats = target.verify(reqs, drafts, n)
     if drafts is None:
         drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
     width = logits.shape[1] - 1
     positions = params["anchor_pos"][:, None] + 1 + torch.arange(width + 1, device=dev)  # [R, width + 1]
     dense = proposal.dense_probs(target.vocab_size) if proposal is not None else None
     q = dense[:, :width].to(dev) if dense is not None else None
-    result = verify_mixed(drafts[:, :width], to_device(n, torch.int64, dev), logits, q, params["is_greedy"],
-                          params["temperature"], params["top_k"], params["top_p"], params["min_p"],
-                          params["seeds"], positions, **verify_hints(reqs))
-    packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1).tolist()  # the step's host sync
+    with record_function("dspark.accept"):
+        result = verify_mixed(drafts[:, :width], to_device(n, torch.int64, dev), logits, q, params["is_greedy"],
+                              params["temperature"], params["top_k"], params["top_p"], params["min_p"],
+                              params["seeds"], positions, **verify_hints(reqs))
+        packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1).tolist()  # the step's host sync
     accepted, out_tokens = [row[0] for row in packed], [row[1:] for row in packed]
     t2 = time.perf_counter()
     new_tokens = []

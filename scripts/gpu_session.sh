@@ -43,14 +43,14 @@ train)
     tar -cf "$OUT/drafters.tar" -C /tmp more/config.json more-q ;;
 eval)
     timeout 330 python3 bench/bench_pair.py --target $T --draft "${2:?drafter dir}" --accept-batch 64 --max-tokens 256 \
-        --speed-prompts 8 --hf-baseline --json "$OUT/bench_pair.json" 2>&1 | tee "$OUT/bench_pair.log"
+        --speed-prompts 8 --hf-baseline --profile --json "$OUT/bench_pair.json" 2>&1 | tee "$OUT/bench_pair.log"
     timeout 200 python3 bench/bench_gpu.py --models 8b 0.6b --json "$OUT/bench_gpu.json" 2>&1 \
         | tee "$OUT/bench_gpu.log" ;;
 fast)  # the Triton fast path: its GPU tests, then the real pair at batch 1 and the step benchmark
     timeout 150 python3 -P -m pytest -q tests/gpu/test_fused_ops_gpu.py tests/gpu/test_paged_attention_gpu.py \
         tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
     timeout 170 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 16 \
-        --accept-batch 16 --max-tokens 256 --speed-prompts 8 --hf-baseline --json "$OUT/bench_pair.json" 2>&1 \
+        --accept-batch 16 --max-tokens 256 --speed-prompts 8 --hf-baseline --profile --json "$OUT/bench_pair.json" 2>&1 \
         | tee "$OUT/bench_pair.log" | grep -v Warn | tail -5
     timeout 110 python3 bench/bench_gpu.py --models 0.6b 8b --batch 1 8 64 --topk 64 --iters 10 \
         --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" ;;

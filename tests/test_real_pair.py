@@ -50,3 +50,21 @@ def test_demo_command_streams_through_the_service():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "identical to plain greedy: True" in proc.stdout
     assert "all prompts: tau" in proc.stdout and "speedup" in proc.stdout
+
+
+def test_bench_pair_reports_speed_and_a_step_profile(tmp_path):
+    """bench/bench_pair.py end to end on CPU, small: tau, batch-1 speed and the profiled step regions."""
+    out = tmp_path / "pair.json"
+    r = subprocess.run([sys.executable, str(HELDOUT.parents[1] / "bench_pair.py"), "--sets", "code",
+                        "--temperatures", "0", "--accept-prompts", "2", "--accept-batch", "2", "--max-tokens", "12",
+                        "--speed-prompts", "1", "--device", "cpu", "--profile", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["acceptance"][0]["greedy_identical"] == 1.0 and res["acceptance"][0]["tau"] > 1.0
+    assert res["speed"]["plain_tok_s"] > 0 and res["speed"]["spec_tok_s"] > 0
+    spec, plain = res["profile"]["spec"], res["profile"]["plain"]
+    assert set(spec["regions"]) == {"dspark.draft", "dspark.verify", "dspark.accept"}
+    assert spec["regions"]["dspark.draft"]["host_ms"] > 0 and spec["regions"]["dspark.verify"]["host_ms"] > 0
+    assert plain["regions"]["dspark.draft"]["host_ms"] < spec["regions"]["dspark.draft"]["host_ms"]  # no draft
+    assert spec["top_ops"] and all(o["self_ms"] >= 0 for o in spec["top_ops"])
