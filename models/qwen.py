@@ -12,7 +12,7 @@ from .config import ModelConfig
 from .layers import MLP, AttentionProjections, RMSNorm, Rotary
 
 
-MAX_TRITON_QUERY = 16  # query tokens per sequence the Triton attention takes (decode, verify, the draft block)
+MAX_TRITON_QUERY = 16  # = paged_attention_triton.MAX_QUERY_LEN (not imported here: Triton is optional)
 
 
 class DecoderLayer(nn.Module):
