@@ -8,7 +8,15 @@ import os
 import torch
 from torch import Tensor
 
-HAVE_TRITON = importlib.util.find_spec("triton") is not None  # an optional extra (`dspark-serve[triton]`)
+
+def _have_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ImportError:  # a finder that refuses it
+        return False
+
+
+HAVE_TRITON = _have_triton()  # an optional extra (`dspark-serve[triton]`); CPU torch comes without it
 
 
 def use_triton(t: Tensor) -> bool:
