@@ -113,7 +113,7 @@ class DraftSide:
             meta = batch_metadata([tables[i] for i in todo], [starts[i] for i in todo], [lens[i] for i in todo],
                                   self.block_size, dev)
             pos = positions_of([starts[i] for i in todo], [lens[i] for i in todo], dev)
-            m.write_context(inp.features.to(dev), pos, meta.slot_mapping, self.cache)
+            m.write_context(inp.features.to(dev), pos, meta.slot_mapping, self.cache, meta.all_slots_valid)
         q_len, num_reqs = self.query_len, len(tables)
         anchor_pos = inp.anchor_pos.tolist()
         need_q = self.spec.draft_sample_method != "greedy" and bool((inp.temperature >= 1e-5).any())  # host data

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark_serve.kernels.attention import AttentionMetadata, store_kv
+from dspark_serve.kernels.dispatch import use_triton
 
 from .draft_config import DraftConfig
 from .layers import RMSNorm, Rotary
@@ -55,21 +56,32 @@ class DSparkDraft(nn.Module):
         return torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
                            dtype=dtype or ref.dtype, device=device or ref.device)
 
-    def write_context(self, features: Tensor, positions: Tensor, slot_mapping: Tensor, kv_cache: Tensor) -> None:
+    def write_context(self, features: Tensor, positions: Tensor, slot_mapping: Tensor, kv_cache: Tensor,
+                      all_slots_valid: bool = False) -> None:
         """Target features [T, len(target_layer_ids) * target_hidden] -> context K/V of every layer at `positions`.
 
-        One GEMM over all layers' stacked [Wk; Wv], then each layer's k_norm and RoPE; NOTE: no
-        input_layernorm on the context.
+        One GEMM over all layers' stacked [Wk; Wv], then each layer's k_norm and RoPE (one Triton kernel on the
+        fast path); NOTE: no input_layernorm on the context. all_slots_valid: no -1 in slot_mapping (no mask, no
+        host sync).
         """
-        ctx = self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))  # [T, hidden]
+        hn = self.hidden_norm
+        fc = self.fc(features.to(hn.weight.dtype))
+        fast = use_triton(fc)
+        if fast:
+            from dspark_serve.kernels.fused_ops import qk_norm_rotary, rms_norm
+        ctx = rms_norm(fc, hn.weight, hn.eps) if fast else hn(fc)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         w, b = self._fused_kv()
         c = self.config.layers
         kv = F.linear(ctx, w, b).view(ctx.shape[0], len(self.layers), 2, c.num_kv_heads, c.head_dim)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            k = attn.k_norm(kv[:, i, 0]) if attn.k_norm is not None else kv[:, i, 0]
-            store_kv(Rotary.apply(k, cos, sin), kv[:, i, 1], kv_cache[i, 0], kv_cache[i, 1], slot_mapping)
+            norm, k = layer.self_attn.k_norm, kv[:, i, 0]  # [T, KV, D]
+            if fast:  # no query heads: the kernel's k half only
+                kw = norm.weight if norm is not None else None
+                k = qk_norm_rotary(k[:, :0], k, cos, sin, kw, kw, norm.eps if norm is not None else 0.0)[1]
+            else:
+                k = Rotary.apply(norm(k) if norm is not None else k, cos, sin)
+            store_kv(k, kv[:, i, 1], kv_cache[i, 0], kv_cache[i, 1], slot_mapping, all_slots_valid)
 
     def write_context_per_layer(self, features: Tensor, positions: Tensor, slot_mapping: Tensor,
                                 kv_cache: Tensor) -> None:

@@ -59,6 +59,21 @@ else:
                 torch.testing.assert_close(f, f_ref, rtol=1e-4, atol=1e-4)
         assert len(calls) == 2 * 3  # decode and verify on every layer; the 20-token prefill takes the reference
 
+    def test_draft_context_write_fast_path_equals_reference(monkeypatch):
+        _, draft = tiny_pair(seed=2, block_size=6, dtype=torch.float32)
+        g = torch.Generator().manual_seed(3)
+        feats = torch.randn(5, draft.config.context_dim, generator=g)
+        pos, slots = torch.arange(3, 8), torch.tensor([3, 4, 5, 12, 13])
+        caches = []
+        for fused in (False, True):
+            monkeypatch.setenv("DSPARK_TRITON", "1" if fused else "0")
+            cache = draft.allocate_kv_cache(2, 8)
+            with torch.inference_mode():
+                draft.write_context(feats, pos, slots, cache, all_slots_valid=True)
+            caches.append(cache)
+        assert caches[0][:, :, 0, 3:6].abs().min() > 0 and caches[0][:, :, 0, :3].abs().max() == 0
+        torch.testing.assert_close(caches[1], caches[0], rtol=1e-5, atol=1e-5)
+
     @pytest.mark.parametrize("static", [False, True])
     def test_engine_tokens_on_the_fast_path(static, monkeypatch):
         target, draft = tiny_pair(seed=4, agree=0.01, block_size=6, dtype=torch.float32)
