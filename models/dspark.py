@@ -115,10 +115,9 @@ class DSparkDraft(nn.Module):
         return run_layers(self.layers, x, cos, sin, kv_cache, meta, self.norm, {})
 
     def fuse_projections(self) -> None:
-        """Dense q/k/v and gate/up each as one GEMM for inference (NVFP4 layers stay separate)."""
+        """DecoderLayer.fuse for every layer (NVFP4 projections stay separate)."""
         for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.fuse()
 
     def base_logits(self, hidden: Tensor) -> Tensor:
         """[.., hidden] -> U [.., draft_vocab] fp32, times logit_scale."""

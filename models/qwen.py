@@ -34,6 +34,11 @@ class DecoderLayer(nn.Module):
         x = x + attn.o_proj(o.reshape(x.shape[0], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def fuse(self) -> None:
+        """q/k/v and gate/up each as one GEMM for inference (parameters become views; after moving the model)."""
+        self.self_attn.fuse()
+        self.mlp.fuse()
+
     def forward_fused(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor,
                       meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """forward() on the Triton kernels, residual adds fused into the norms: x is the previous layer's MLP output
@@ -126,10 +131,9 @@ class QwenForCausalLM(nn.Module):
         return hidden, captured
 
     def fuse_projections(self) -> None:
-        """q/k/v and gate/up each as one GEMM for inference (parameters become views; call after moving the model)."""
+        """DecoderLayer.fuse for every layer."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.fuse()
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[T, hidden] -> [T, vocab] fp32."""

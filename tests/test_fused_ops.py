@@ -19,27 +19,19 @@ else:
     from dspark_serve.kernels.fused_ops import qk_norm_rotary, rms_norm, silu_mul
     from dspark_serve.models.layers import RMSNorm, Rotary
 
-    BF16, FP32 = torch.bfloat16, torch.float32
-    EPS = 1e-6
+    from fused_checks import EPS, bf16_ulps, check_qk_norm_rotary, seeded_norm
 
-    def _ulps(got: torch.Tensor, ref: torch.Tensor) -> int:
-        """Largest distance in bf16 steps (ordered bit patterns)."""
-        def ordered(t):
-            i = t.contiguous().view(torch.int16).to(torch.int32)
-            return torch.where(i < 0, -32768 - i, i)
-        return int((ordered(got) - ordered(ref)).abs().max()) if got.numel() else 0
+    BF16, FP32 = torch.bfloat16, torch.float32
 
     def _match(got: torch.Tensor, ref: torch.Tensor, max_ulps: int = 1) -> None:
         assert got.dtype == ref.dtype and got.shape == ref.shape and got.is_contiguous()
         if got.dtype == BF16:
-            assert _ulps(got, ref) <= max_ulps
+            assert bf16_ulps(got, ref) <= max_ulps
         else:
             torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-7)
 
     def _norm(dim: int, dtype: torch.dtype, seed: int) -> RMSNorm:
-        m = RMSNorm(dim, EPS)
-        m.weight.data = (1 + 0.3 * torch.randn(dim, generator=torch.Generator().manual_seed(seed))).to(dtype)
-        return m
+        return seeded_norm(dim, dtype, seed)
 
     @pytest.mark.parametrize("t,n", [(1, 64), (5, 1000), (3, 4096), (2, 8192)])
     @pytest.mark.parametrize("dtype,w_dtype", [(FP32, FP32), (BF16, BF16), (BF16, FP32)])
@@ -71,15 +63,7 @@ else:
         else:
             q, k = (2 * torch.randn(t, h, d, generator=g)).to(dtype), (2 * torch.randn(t, kv, d, generator=g)).to(dtype)
         cos, sin = Rotary(d, 1e6).cos_sin(torch.tensor([0, 1, 17, 300, 4095]), dtype)
-        qn, kn = (_norm(d, dtype, 2), _norm(d, dtype, 3)) if qk_norm else (None, None)
-        want_q = Rotary.apply(qn(q) if qk_norm else q, cos, sin)
-        want_k = Rotary.apply(kn(k) if qk_norm else k, cos, sin)
-        got_q, got_k = qk_norm_rotary(q, k, cos, sin, qn.weight.data if qk_norm else None,
-                                      kn.weight.data if qk_norm else None, EPS)
-        _match(got_q, want_q)
-        _match(got_k, want_k)
-        if not qk_norm:                                               # no reduction: exact in both dtypes
-            assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+        check_qk_norm_rotary(q, k, cos, sin, qk_norm, _match)
 
     def test_qk_norm_rotary_fp32_weights_promote():
         t, h, kv, d = 2, 4, 2, 64

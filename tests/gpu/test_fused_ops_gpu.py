@@ -11,20 +11,15 @@ if torch.cuda.is_available():
     from dspark_serve.kernels.fused_ops import qk_norm_rotary, rms_norm, silu_mul
     from dspark_serve.models.layers import RMSNorm, Rotary
 
-DEV, BF16, FP32, EPS = "cuda", torch.bfloat16, torch.float32, 1e-6
+from fused_checks import EPS, bf16_ulps, check_qk_norm_rotary, seeded_norm
 
-
-def _ulps(got: torch.Tensor, ref: torch.Tensor) -> int:
-    def ordered(t):
-        i = t.contiguous().view(torch.int16).to(torch.int32)
-        return torch.where(i < 0, -32768 - i, i)
-    return int((ordered(got) - ordered(ref)).abs().max()) if got.numel() else 0
+DEV, BF16, FP32 = "cuda", torch.bfloat16, torch.float32
 
 
 def _match(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert got.dtype == ref.dtype and got.shape == ref.shape
     if got.dtype == BF16:
-        ulps, frac = _ulps(got, ref), (got != ref).float().mean().item()
+        ulps, frac = bf16_ulps(got, ref), (got != ref).float().mean().item()
         print(f"max {ulps} ulp, {frac:.2e} of elements differ")
         # rotary's x*cos + rot(x)*sin can cancel to a few ulps of a tiny result (seen: 2 ulp, 7e-6 of elements)
         assert ulps <= 2 and frac <= 1e-3
@@ -33,10 +28,7 @@ def _match(got: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def _norm(dim: int, dtype: torch.dtype, seed: int) -> "RMSNorm":
-    m = RMSNorm(dim, EPS).to(DEV)
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    m.weight.data = (1 + 0.3 * torch.randn(dim, device=DEV, generator=g)).to(dtype)
-    return m
+    return seeded_norm(dim, dtype, seed, DEV)
 
 
 @pytest.mark.parametrize("t,n", [(1, 1024), (7, 4096), (3, 5120), (64, 8192)])
@@ -62,15 +54,7 @@ def test_qk_norm_rotary_gpu(h, kv, d, qk_norm, dtype):
     qkv = (2 * torch.randn(t, (h + 2 * kv) * d, device=DEV)).to(dtype)
     q, k = qkv[:, :h * d].view(t, h, d), qkv[:, h * d:(h + kv) * d].view(t, kv, d)
     cos, sin = Rotary(d, 1e6).to(DEV).cos_sin(torch.randint(0, 32768, (t,), device=DEV), dtype)
-    qn, kn = (_norm(d, dtype, 2), _norm(d, dtype, 3)) if qk_norm else (None, None)
-    want_q = Rotary.apply(qn(q) if qk_norm else q, cos, sin)
-    want_k = Rotary.apply(kn(k) if qk_norm else k, cos, sin)
-    got_q, got_k = qk_norm_rotary(q, k, cos, sin, qn.weight.data if qk_norm else None,
-                                  kn.weight.data if qk_norm else None, EPS)
-    _match(got_q, want_q)
-    _match(got_k, want_k)
-    if not qk_norm:
-        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    check_qk_norm_rotary(q, k, cos, sin, qk_norm, _match)
 
 
 @pytest.mark.parametrize("t,inter", [(1, 4864), (16, 11008), (300, 3072)])
