@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -59,9 +60,10 @@ def hf_baseline(target: Path, prompts: list[str], max_tokens: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def profile_one(llm: LLM, prompt: str, params: SamplingParams) -> dict:
-    """One batch-1 generation under torch.profiler -> per step: wall ms, the step's regions (dspark.draft /
-    .verify / .accept, host and device ms) and the 20 ops with the most self time (device time on CUDA)."""
+def profile_one(llm: LLM, prompt: str, params: SamplingParams, trace: str | None = None) -> dict:
+    """One batch-1 generation under torch.profiler -> per step: wall ms, device busy ms (all kernels), the step's
+    regions (dspark.draft / .verify / .accept, host and device ms) and the 20 ops with the most self time (device
+    time on CUDA). `trace`: also write the timeline as a gzipped Chrome trace there."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = llm.target.device.type == "cuda"
@@ -76,7 +78,11 @@ def profile_one(llm: LLM, prompt: str, params: SamplingParams) -> dict:
     own = (lambda e: dev(e)) if cuda else (lambda e: e.self_cpu_time_total)  # noqa: E731
     events = prof.key_averages()
     per_step = lambda us: us / 1e3 / steps  # noqa: E731
+    if trace:
+        prof.export_chrome_trace(trace.removesuffix(".gz"))
+        subprocess.run(["gzip", "-f", trace.removesuffix(".gz")], check=True)
     return {"steps": steps, "tokens": len(out.token_ids), "wall_ms_per_step": wall * 1e3 / steps,
+            "device_busy_ms_per_step": per_step(sum(dev(e) for e in events)) if cuda else None,
             "regions": {e.key: {"host_ms": per_step(e.cpu_time_total), "device_ms": per_step(dev(e, True))}
                         for e in events if e.key.startswith("dspark.")},
             "top_ops": [{"op": e.key, "calls_per_step": e.count / steps, "self_ms": per_step(own(e))}
@@ -84,7 +90,9 @@ def profile_one(llm: LLM, prompt: str, params: SamplingParams) -> dict:
 
 
 def print_profile(name: str, p: dict) -> None:
-    print(f"profile {name}: {p['steps']} steps, {p['wall_ms_per_step']:.3f} ms/step (profiled)")
+    busy = p.get("device_busy_ms_per_step")
+    print(f"profile {name}: {p['steps']} steps, {p['wall_ms_per_step']:.3f} ms/step (profiled)"
+          + (f", device busy {busy:.3f} ms/step" if busy is not None else ""))
     for region, t in sorted(p["regions"].items()):
         print(f"  {region:<16} host {t['host_ms']:.3f} ms  device {t['device_ms']:.3f} ms")
     for o in p["top_ops"][:12]:
@@ -107,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to compare)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one batch-1 code prompt, plain and speculative (per-step regions, top ops)")
+    ap.add_argument("--trace", help="with --profile: write gzipped Chrome traces to TRACE.{plain,spec}.json.gz")
+    ap.add_argument("--speculative-config", help='JSON, e.g. {"dspark_draft_topk": 64}')
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
@@ -114,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     kv = dict(device=args.device, dtype=dtype, max_num_seqs=args.accept_batch,
               num_kv_blocks=args.accept_batch * -(-(1200 + args.max_tokens) // 16),
               enforce_eager=args.enforce_eager or None)
-    plain, spec = LLM(args.target, None, **kv), LLM(args.target, args.draft, **kv)
+    plain, spec = LLM(args.target, None, **kv), LLM(args.target, args.draft, args.speculative_config, **kv)
     sets = {s: [CHAT_TEMPLATE.format(t) for t in read_prompt_texts(PROMPTS / f"heldout_{s}.jsonl")]
             for s in args.sets}
     result: dict = {"device": torch.cuda.get_device_name() if spec.target.device.type == "cuda" else "cpu",
@@ -138,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.speed_prompts:
         prompts = sets.get("code", next(iter(sets.values())))[:args.speed_prompts]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-        timed(plain, prompts[:1], params), timed(spec, prompts[:1], params)  # warm-up
+        timed(plain, prompts, params), timed(spec, prompts, params)  # warm-up: every graph bucket is captured
         plain_tps, _ = timed(plain, prompts, params)
         spec_tps, outs = timed(spec, prompts, params)
         speed = {"prompts": len(prompts), "plain_tok_s": plain_tps, "spec_tok_s": spec_tps,
@@ -151,7 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile:
         prompt = sets.get("code", next(iter(sets.values())))[0]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-        result["profile"] = {"plain": profile_one(plain, prompt, params), "spec": profile_one(spec, prompt, params)}
+        trace = lambda name: f"{args.trace}.{name}.json.gz" if args.trace else None  # noqa: E731
+        result["profile"] = {"plain": profile_one(plain, prompt, params, trace("plain")),
+                             "spec": profile_one(spec, prompt, params, trace("spec"))}
         for name, p in result["profile"].items():
             print_profile(name, p)
     print(f"{'set':>5} {'T':>3} {'tau':>5}  per-position acceptance")

@@ -5,14 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from dspark_serve.kernels.dispatch import use_triton
+from dspark_serve.kernels.markov_walk_ref import markov_walk_ref
 from dspark_serve.models.dspark import DSparkDraft
+from dspark_serve.models.nvfp4_linear import NVFP4Linear
 
 from .draft_graphs import DraftGraphs
 from .kv_cache import BlockAllocator, batch_metadata, positions_of
 from .request import Request
-from .sampling import DRAFT_SALT, keyed_gumbel
+from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
 
 
@@ -48,6 +52,14 @@ def draft_input(reqs: list[Request]) -> DraftInput:
     return inp
 
 
+def _walk_fn(t: Tensor):
+    """The top-k Markov walk: the Triton kernel on the fast path, else its reference."""
+    if use_triton(t):
+        from dspark_serve.kernels.markov_walk import markov_walk
+        return markov_walk
+    return markov_walk_ref
+
+
 @dataclass(frozen=True)
 class DraftProposal:
     tokens: Tensor  # [R, N] int64, target-vocab ids
@@ -81,17 +93,8 @@ class DraftSide:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: DraftGraphs | None = None
         self._scatter_cols = torch.arange(cfg.draft_vocab_size, device=self.device) + model.d2t.to(self.device)
-        self._gathered_nvfp4 = self._nvfp4_gather_fn(model)
-
-    def _nvfp4_gather_fn(self, model: DSparkDraft):
-        """The gathered-bias kernel (Triton on CUDA, reference on CPU) when markov_w2 is NVFP4, else None."""
-        from dspark_serve.models.nvfp4_linear import NVFP4Linear
-
-        if model.markov_head is None or not isinstance(model.markov_head.markov_w2, NVFP4Linear):
-            return None
-        from dspark_serve.kernels.gathered_bias import gathered_bias, gathered_bias_ref
-
-        return gathered_bias if self.device.type == "cuda" else gathered_bias_ref
+        self._w2_nvfp4 = model.markov_head is not None and isinstance(model.markov_head.markov_w2, NVFP4Linear)
+        self._reduced_vocab = bool(model.d2t.any())
 
     def use_static_shapes(self, max_model_len: int, capture: bool | None = None) -> None:
         """Block pass + Markov walk with static shapes (CUDA graphs on CUDA) for steps that fit a bucket."""
@@ -135,13 +138,17 @@ class DraftSide:
     def _markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
                      anchor_pos: Tensor, need_q: bool) -> DraftProposal:
         """need_q: some row samples (then q is returned for every row; greedy rows get one-hot q)."""
-        m, n = self.model, base.shape[1]
+        m = self.model
+        topk = self.spec.dspark_draft_topk
+        if m.markov_head is not None and 0 < topk < base.shape[-1]:
+            return self._topk_walk(hidden, base, anchor, temperature, seeds, anchor_pos, need_q, topk)
+        n = base.shape[1]
         greedy = (temperature < 1e-5) | (self.spec.draft_sample_method == "greedy")  # [R]
         temp = torch.where(temperature < 1e-5, 1.0, temperature)[:, None]  # [R, 1]
-        prev, tokens, probs, conf, cand_ids, cand_probs = anchor, [], [], [], [], []
+        prev, tokens, probs, conf = anchor, [], [], []
         for k in range(n):
             embed = m.markov_embed(prev) if m.markov_head is not None else None  # [R, r]
-            logits, idx = self._biased_logits(base[:, k], embed)  # [R, V_draft], -inf outside candidates idx
+            logits = base[:, k] + m.markov_bias(embed) if embed is not None else base[:, k]  # [R, V_draft]
             if m.confidence_head is not None:
                 conf.append(m.confidence_logit(hidden[:, k], embed))
             if need_q:
@@ -154,30 +161,46 @@ class DraftSide:
             if need_q:
                 onehot = torch.zeros_like(logits).scatter_(-1, draft_ids[:, None], 1.0)  # no device check: capturable
                 q = torch.where(greedy[:, None], onehot, torch.softmax(logits / temp, -1))
-                if idx is None:
-                    probs.append(self._to_target_vocab(q))
-                else:  # q is zero outside the candidates: keep just those
-                    cand_ids.append(m.to_target_ids(idx))
-                    cand_probs.append(q.gather(-1, idx))
+                probs.append(self._to_target_vocab(q))
         stack = lambda xs: torch.stack(xs, 1) if xs else None  # noqa: E731
-        return DraftProposal(torch.stack(tokens, 1), stack(probs), stack(conf), cand_ids=stack(cand_ids),
-                             cand_probs=stack(cand_probs))
+        return DraftProposal(torch.stack(tokens, 1), stack(probs), stack(conf))
 
-    def _biased_logits(self, base: Tensor, embed: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """U_k + B(prev) over the full draft vocab, or over the top-k candidates idx [R, K] of U_k (gathered bias)."""
-        k = self.spec.dspark_draft_topk
-        if embed is None:
-            return base, None
-        if not k or k >= base.shape[-1]:
-            return base + self.model.markov_bias(embed), None
-        values, idx = base.topk(k, dim=-1)  # [R, K]
-        w2_mod = self.model.markov_head.markov_w2
-        if self._gathered_nvfp4 is not None:  # read only the k candidate rows, 4-bit
-            return self._gathered_nvfp4(embed, w2_mod.weight, w2_mod.weight_scale, w2_mod.weight_scale_2, values,
-                                        idx, torch.full_like(base, float("-inf")), self.model.config.logit_scale), idx
-        w2 = w2_mod.weight  # [V_draft, r]
-        bias = torch.einsum("bkr,br->bk", w2[idx].float(), embed.float()) * self.model.config.logit_scale
-        return torch.full_like(base, float("-inf")).scatter_(-1, idx, values + bias), idx
+    def _topk_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
+                   anchor_pos: Tensor, need_q: bool, topk: int) -> DraftProposal:
+        """dspark_draft_topk: candidates from the base logits once per position, then the walk over them (one
+        Triton launch on the fast path). hidden [R, N, H], base [R, N, V_draft]; q lives on the candidates."""
+        m, (num, n, _) = self.model, base.shape
+        values, cand = base.topk(topk, dim=-1)  # [R, N, K]
+        w2 = m.markov_head.markov_w2
+        if self._w2_nvfp4:  # dequantize the candidates' rows only
+            from dspark_serve.kernels import nvfp4
+            flat = cand.reshape(-1)
+            rows = nvfp4.dequantize(w2.weight[flat], w2.weight_scale[flat], w2.weight_scale_2)
+        else:
+            rows = w2.weight[cand.reshape(-1)]
+        rows = rows.view(num, n, topk, -1)  # [R, N, K, r]
+        conf_base = conf_w = None
+        if m.confidence_head is not None:
+            proj, h = m.confidence_head.proj, hidden.shape[-1]
+            conf_base = F.linear(hidden.float(), proj.weight[:, :h].float(), proj.bias.float())[..., 0]  # [R, N]
+            if m.config.confidence_head_with_markov:
+                conf_w = proj.weight[0, h:].float()  # [r]
+        greedy = (temperature < 1e-5) | (self.spec.draft_sample_method == "greedy")  # [R]
+        temp = torch.where(temperature < 1e-5, 1.0, temperature)  # [R]
+        noise = None
+        if need_q:
+            positions = anchor_pos[:, None] + 1 + torch.arange(n, device=base.device)  # [R, N]
+            noise = keyed_gumbel_at(seeds, positions, cand, DRAFT_SALT)  # [R, N, K]
+        d2t = m.d2t if self._reduced_vocab else None
+        w1 = m.markov_head.markov_w1.weight
+        tokens, logits, conf = _walk_fn(values)(values, cand, rows, w1, anchor, m.config.logit_scale, d2t,
+                                                conf_base, conf_w, noise, temp, ~greedy)
+        if not need_q:
+            return DraftProposal(tokens, None, conf)
+        cand_ids = m.to_target_ids(cand) if d2t is not None else cand
+        drafted = (cand_ids == tokens[..., None]).float()  # [R, N, K] one-hot for greedy rows
+        q = torch.where(greedy[:, None, None], drafted, torch.softmax(logits / temp[:, None, None], -1))
+        return DraftProposal(tokens, None, conf, cand_ids=cand_ids, cand_probs=q)
 
     def _to_target_vocab(self, q: Tensor) -> Tensor:
         """[R, V_draft] -> [R, V_target] (identity for a full vocab)."""

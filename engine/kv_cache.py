@@ -56,5 +56,5 @@ def batch_metadata(block_tables: list[list[int]], starts: list[int], query_lens:
 
 
 def positions_of(starts: list[int], query_lens: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([p for s, q in zip(starts, query_lens) for p in range(s, s + q)], dtype=torch.int64,
-                        device=device)
+    pos = torch.tensor([p for s, q in zip(starts, query_lens) for p in range(s, s + q)], dtype=torch.int64)
+    return pos.to(device, non_blocking=True)  # a pageable copy without waiting for the stream

@@ -59,8 +59,12 @@ def keyed_uniform(seeds: Tensor, positions: Tensor, salt: int | Tensor) -> Tenso
 
 def keyed_gumbel(seeds: Tensor, positions: Tensor, vocab_size: int, salt: int | Tensor) -> Tensor:
     """Gumbel noise keyed by (seed, position, token id, salt). seeds [R], positions [R, n] -> [R, n, V] fp32."""
-    token_ids = torch.arange(vocab_size, device=positions.device)  # [V]
-    bits = _absorb(_keyed_bits(seeds, positions, salt)[..., None], token_ids)  # [R, n, V]
+    return keyed_gumbel_at(seeds, positions, torch.arange(vocab_size, device=positions.device), salt)
+
+
+def keyed_gumbel_at(seeds: Tensor, positions: Tensor, token_ids: Tensor, salt: int | Tensor) -> Tensor:
+    """keyed_gumbel's noise at the given token ids only: token_ids [V] or [R, n, K] -> [R, n, V or K] fp32."""
+    bits = _absorb(_keyed_bits(seeds, positions, salt)[..., None], token_ids.long())  # [R, n, V]
     # The argmax is decided where -log1p(-w) ~ Exp(1) is small, i.e. w near 0: a 53-bit integer rounded to
     # fp32 keeps 24 significant bits there, where a fixed-point uniform would tie at large vocab sizes.
     w = (_srl(bits, 11).float() * 2.0**-53).clamp(2.0**-60, 1.0 - 2.0**-24)

@@ -7,6 +7,7 @@
 #   regen     the target's greedy responses to the training prompts not in the shipped drafter's data
 #   train     continue the bf16 drafter (.work/drafter-bf16) on all responses, quantize, return both
 #   eval D    bench_pair for drafter D against transformers' compiled generate, then bench_gpu
+#   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
 #   fast      the Triton fast path's GPU tests, the shipped pair at batch 1 vs compiled generate, bench_gpu
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -54,5 +55,11 @@ fast)  # the Triton fast path: its GPU tests, then the real pair at batch 1 and 
         | tee "$OUT/bench_pair.log" | grep -v Warn | tail -5
     timeout 110 python3 bench/bench_gpu.py --models 0.6b 8b --batch 1 8 64 --topk 64 --iters 10 \
         --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" ;;
+prof)  # engine GPU tests, then the pair at batch 1 with the step profile and Chrome traces (no baseline)
+    timeout 120 python3 -P -m pytest -q tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -3
+    timeout 150 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 0 \
+        --max-tokens 256 --speed-prompts 4 --profile --trace "$OUT/trace" --json "$OUT/bench_pair.json" 2>&1 \
+        | tee "$OUT/bench_pair.log" | grep -v Warn | tail -40 ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

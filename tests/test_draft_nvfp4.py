@@ -118,12 +118,17 @@ def test_engine_topk_gathered_path_with_nvfp4_draft(target, tmp_path):
     assert isinstance(loaded.markov_head.markov_w2, NVFP4Linear)
     llms = [LLM(target, m, {"dspark_draft_topk": 8}, device="cpu", block_size=8, num_kv_blocks=128)
             for m in (loaded, dense)]
-    # The gathered NVFP4 bias equals the dense top-k bias of the dequantized twin.
-    side, dense_side = llms[0].draft, llms[1].draft
+    # The walk over NVFP4 candidate rows equals the walk of the dequantized twin (greedy and sampled rows).
     g = torch.Generator().manual_seed(5)
-    base, embed = torch.randn(3, VOCAB, generator=g), torch.randn(3, RANK, generator=g)
-    torch.testing.assert_close(side._biased_logits(base, embed), dense_side._biased_logits(base, embed),
-                               rtol=1e-5, atol=1e-5)
+    hidden = torch.randn(3, 4, cfg.layers.hidden_size, generator=g)
+    base = torch.randn(3, 4, VOCAB, generator=g)
+    args = (hidden, base, torch.tensor([1, 2, 3]), torch.tensor([0.0, 0.7, 1.3]), torch.tensor([5, 6, 7]),
+            torch.tensor([10, 20, 30]), True)
+    a, b = (llm.draft._markov_walk(*args) for llm in llms)
+    assert a.tokens.tolist() == b.tokens.tolist() and a.cand_ids.tolist() == b.cand_ids.tolist()
+    torch.testing.assert_close(a.cand_probs, b.cand_probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.confidence_logits, b.confidence_logits, rtol=1e-5, atol=1e-5)
+    assert a.cand_probs[0].max(-1).values.tolist() == [1.0] * 4  # the greedy row: one-hot q
     prompts = [[1, 2, 3, 4], [10, 20, 30, 40, 50], [7] * 9]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = [llm.generate(prompts, params) for llm in llms]
