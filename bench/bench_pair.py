@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dspark_serve.cluster.demo import GPU_SPEC_CONFIG
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true",
                     help="also profile one batch-1 code prompt, plain and speculative (per-step regions, top ops)")
     ap.add_argument("--trace", help="with --profile: write gzipped Chrome traces to TRACE.{plain,spec}.json.gz")
-    ap.add_argument("--speculative-config", help='JSON, e.g. {"dspark_draft_topk": 64}')
+    ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG,
+                    help=f"JSON with vLLM's names (default: the demo's, {GPU_SPEC_CONFIG})")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"device": torch.cuda.get_device_name() if spec.target.device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "max_tokens": args.max_tokens,
                     "cuda_graphs": spec.target.graphs is not None and spec.target.graphs.capture,
+                    "speculative_config": args.speculative_config,
                     "acceptance": [], "speed": None}
     for name, prompts in sets.items() if args.accept_prompts > 0 else ():
         prompts = prompts[:args.accept_prompts]

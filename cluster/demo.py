@@ -25,8 +25,10 @@ READY = re.compile(r"serving dspark.v1.Generation on (\S+:\d+)")
 
 # On a CPU a verify step costs about its token count, so verify only drafts the confidence head trusts (measured
 # on 2 held-out code prompts: 0.8x of plain decoding when all 7 drafts are verified, 1.0x with this threshold);
-# on a GPU verifying 8 tokens costs about what 1 does.
-CPU_SPEC_CONFIG = '{"dspark_confidence_threshold": 0.3}'
+# on a GPU verifying 8 tokens costs about what 1 does. Both draft over the top 64 base-logit candidates: held-out
+# code, greedy, CPU: tau 2.78 against 2.79 over the full vocabulary, and an H200 step 3.03 ms against 4.08 ms.
+GPU_SPEC_CONFIG = '{"dspark_draft_topk": 64}'
+CPU_SPEC_CONFIG = '{"dspark_confidence_threshold": 0.3, "dspark_draft_topk": 64}'
 
 
 def _start_server(target: Path, draft: Path, cuda: bool, spec_config: str | None,
@@ -86,8 +88,8 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"dspark-serve demo: error: no draft checkpoint at {draft}", file=sys.stderr)
         return 1
     cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
-    spec_config = args.speculative_config or (None if cuda else CPU_SPEC_CONFIG)
-    print(f"target {target}\ndraft  {draft}\nspeculative_config {spec_config or '{}'}\n"
+    spec_config = args.speculative_config or (GPU_SPEC_CONFIG if cuda else CPU_SPEC_CONFIG)
+    print(f"target {target}\ndraft  {draft}\nspeculative_config {spec_config}\n"
           "starting Ray, the verifier and draft actors and the gateway ...", flush=True)
     try:
         proc, address = _start_server(target, draft, cuda, spec_config, args.start_timeout)

@@ -1,8 +1,11 @@
-"""CUDA graphs for the draft's block pass and Markov walk (the context K/V write stays outside).
+"""CUDA graphs for the draft's step: the context K/V write, the block pass and the Markov walk.
 
 A bucket fixes the batch and the number of context slots attended; missing requests are padded (their block
-K/V goes to the draft cache's trash slot, their proposals are dropped). Greedy-only and sampling steps are
-separate graphs (a sampling step also returns q). On CPU the static path runs eagerly.
+K/V goes to the draft cache's trash slot, their proposals are dropped). The context write takes up to
+`batch * (query_len + 1)` new rows (a decode step brings at most the accepted drafts plus the anchor), copied
+into a static feature buffer and padded with rows bound for the trash slot; a larger one (the first step after
+a prefill) is written eagerly before the graph. Greedy-only and sampling steps are separate graphs (a sampling
+step also returns q). On CPU the static path runs eagerly.
 """
 
 from __future__ import annotations
@@ -32,11 +35,18 @@ class DraftGraphs:
         top = -(-(max_model_len + self.ql) // self.bs) * self.bs
         self.buckets = GraphBuckets(buckets.batch, tuple(c for c in buckets.context if c < top) + (top,))
         b = max(self.buckets.batch)
-        self.ints = Staging(4 * b + 2 * b * self.ql + b * (top // self.bs), torch.int64, self.device)
+        self.cr = self.ql + 1  # context rows per request a graph writes
+        self.ints = Staging(4 * b + 2 * b * self.ql + 2 * b * self.cr + b * (top // self.bs), torch.int64, self.device)
+        m = side.model
+        self.feats = torch.zeros(b * self.cr, m.config.context_dim, dtype=m.hidden_norm.weight.dtype,
+                                 device=self.device)
         self.temps = Staging(b, torch.float32, self.device)  # per-row temperature, 0 on padded rows
         self.dev = self.ints.dev
         self._runners: dict[tuple[int, int, bool], Callable[[], "DraftProposal"]] = {}
         self._pool = None
+
+    def fits_context(self, rows: int, shape: tuple[int, int]) -> bool:
+        return rows <= shape[0] * self.cr
 
     def shape_for(self, anchor_pos: list[int]) -> tuple[int, int] | None:
         b = _bucket(len(anchor_pos), self.buckets.batch)
@@ -45,10 +55,15 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def propose(self, anchors: list[int], anchor_pos: list[int], tables: list[list[int]], temperature: Tensor,
-                seeds: list[int], need_q: bool, shape: tuple[int, int]) -> "DraftProposal":
-        """The proposal for len(anchors) requests; its tensors are valid until the next propose."""
+                seeds: list[int], need_q: bool, shape: tuple[int, int], features: Tensor | None = None,
+                context: tuple[list[list[int]], list[int], list[int]] = ([], [], [])) -> "DraftProposal":
+        """The proposal for len(anchors) requests; its tensors are valid until the next propose. `features`
+        [sum(lens), F] are the new context rows of (block tables, starts, lens) in `context`
+        (fits_context(sum(lens), shape) must hold)."""
         b, c = shape
-        self.ints.upload(self._layout(anchors, anchor_pos, tables, seeds, b, c))
+        if features is not None:
+            self.feats[:features.shape[0]].copy_(features, non_blocking=True)
+        self.ints.upload(self._layout(anchors, anchor_pos, tables, seeds, b, c, context))
         self.temps.upload(temperature.tolist() + [0.0] * (b - len(anchors)))
         key = (b, c, need_q)
         if key not in self._runners:
@@ -58,9 +73,16 @@ class DraftGraphs:
                                if isinstance(getattr(out, f.name), Tensor)})
 
     def _layout(self, anchors: list[int], anchor_pos: list[int], tables: list[list[int]], seeds: list[int], b: int,
-                c: int) -> list[int]:
-        """[anchors b | anchor_pos b | seeds b | seq_lens b | positions b*ql | slots b*ql | table b*(c/bs)]."""
+                c: int, context: tuple[list[list[int]], list[int], list[int]] = ([], [], [])) -> list[int]:
+        """[anchors b | anchor_pos b | seeds b | seq_lens b | positions b*ql | slots b*ql | context positions b*cr |
+        context slots b*cr | table b*(c/bs)]."""
         bs, ql, w = self.bs, self.ql, c // self.bs
+        ctx_pos, ctx_slots = [0] * (b * self.cr), [self.trash] * (b * self.cr)
+        i = 0
+        for blocks, start, n in zip(*context):
+            ctx_pos[i:i + n] = range(start, start + n)
+            ctx_slots[i:i + n] = [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+            i += n
         pad = b - len(anchors)
         pos, slots, table = [0] * (b * ql), [self.trash] * (b * ql), [0] * (b * w)
         for r, (p0, blocks) in enumerate(zip(anchor_pos, tables)):
@@ -69,7 +91,7 @@ class DraftGraphs:
             table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
         seq = [p + ql for p in anchor_pos] + [ql] * pad
         return list(anchors) + [0] * pad + list(anchor_pos) + [0] * pad + list(seeds) + [0] * pad + seq + pos \
-            + slots + table
+            + slots + ctx_pos + ctx_slots + table
 
     def _build(self, b: int, c: int, need_q: bool) -> Callable[[], "DraftProposal"]:
         side, ql, w = self.side, self.ql, c // self.bs
@@ -77,13 +99,17 @@ class DraftGraphs:
         d = self.dev
         anchors, anchor_pos, seeds, seq = d[:b], d[b:2 * b], d[2 * b:3 * b], d[3 * b:4 * b]
         pos, slots = d[4 * b:4 * b + b * ql], d[4 * b + b * ql:4 * b + 2 * b * ql]
-        table = d[4 * b + 2 * b * ql:4 * b + 2 * b * ql + b * w].view(b, w)
+        o, cr = 4 * b + 2 * b * ql, b * self.cr
+        ctx_pos, ctx_slots = d[o:o + cr], d[o + cr:o + 2 * cr]
+        table = d[o + 2 * cr:o + 2 * cr + b * w].view(b, w)
+        feats = self.feats[:cr]
         meta = AttentionMetadata(cu_seqlens_q=torch.arange(b + 1, device=self.device) * ql, seq_lens=seq,
                                  slot_mapping=slots, block_table=table, max_query_len=ql, max_seq_len=c,
                                  causal=False, all_slots_valid=True)
         temperature, first = self.temps.dev[:b], 0 if cfg.anchor_first else 1
 
         def forward() -> "DraftProposal":
+            m.write_context(feats, ctx_pos, ctx_slots, side.cache, all_slots_valid=True)  # padding: trash slot
             ids = torch.full((b, ql), cfg.mask_token_id, dtype=torch.int64, device=self.device)
             ids[:, 0] = anchors
             hidden = m.block_hidden(ids.flatten(), pos, meta, side.cache).view(b, ql, -1)[:, first:first + n]

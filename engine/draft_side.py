@@ -111,19 +111,19 @@ class DraftSide:
         m, cfg, n, dev = self.model, self.model.config, self.num_speculative_tokens, self.device
         tables = inp.block_table.tolist()
         starts, lens = inp.ctx_start.tolist(), inp.ctx_len.tolist()
-        todo = [i for i, k in enumerate(lens) if k > 0]
-        if todo:
-            meta = batch_metadata([tables[i] for i in todo], [starts[i] for i in todo], [lens[i] for i in todo],
-                                  self.block_size, dev)
-            pos = positions_of([starts[i] for i in todo], [lens[i] for i in todo], dev)
-            m.write_context(inp.features.to(dev), pos, meta.slot_mapping, self.cache, meta.all_slots_valid)
         q_len, num_reqs = self.query_len, len(tables)
         anchor_pos = inp.anchor_pos.tolist()
         need_q = self.spec.draft_sample_method != "greedy" and bool((inp.temperature >= 1e-5).any())  # host data
         shape = self.graphs.shape_for(anchor_pos) if self.graphs is not None else None
-        if shape is not None:
+        todo = [i for i, k in enumerate(lens) if k > 0]
+        context = ([tables[i] for i in todo], [starts[i] for i in todo], [lens[i] for i in todo])
+        if todo and (shape is None or not self.graphs.fits_context(sum(lens), shape)):
+            self._write_context(inp.features, *context)
+            context = ([], [], [])
+        if shape is not None:  # the context write (when it fits the bucket), block pass and walk in one graph
             return self.graphs.propose(inp.anchors.tolist(), anchor_pos, tables, inp.temperature.cpu(),
-                                       inp.seeds.tolist(), need_q, shape)
+                                       inp.seeds.tolist(), need_q, shape, inp.features if context[0] else None,
+                                       context)
         ids = torch.full((num_reqs, q_len), cfg.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = inp.anchors.to(dev)
         meta = batch_metadata(tables, anchor_pos, [q_len] * num_reqs, self.block_size, dev, causal=False)
@@ -134,6 +134,12 @@ class DraftSide:
         base = m.base_logits(hidden)  # [R, N, V_draft]
         return self._markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
                                  inp.anchor_pos.to(dev), need_q)
+
+    def _write_context(self, features: Tensor, tables: list[list[int]], starts: list[int], lens: list[int]) -> None:
+        """Eagerly: context K/V of lens[i] new rows at positions starts[i].. (features [sum(lens), F])."""
+        meta = batch_metadata(tables, starts, lens, self.block_size, self.device)
+        pos = positions_of(starts, lens, self.device)
+        self.model.write_context(features.to(self.device), pos, meta.slot_mapping, self.cache, meta.all_slots_valid)
 
     def _markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
                      anchor_pos: Tensor, need_q: bool) -> DraftProposal:
