@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from dspark_serve.cluster.demo import GPU_SPEC_CONFIG
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.config import ModelConfig
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--top", type=int, default=25, help="host functions listed (cProfile, by own time)")
-    ap.add_argument("--speculative-config", help='JSON, e.g. {"dspark_draft_topk": 64}')
+    ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG,
+                    help=f"JSON with vLLM's names (default: the demo's, {GPU_SPEC_CONFIG})")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32

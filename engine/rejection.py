@@ -42,13 +42,16 @@ def _draft_mask(draft_tokens: Tensor, num_draft: Tensor) -> Tensor:
 
 
 def verify_greedy(draft_tokens: Tensor, num_draft: Tensor, target_logits: Tensor) -> VerifyResult:
-    """Accept while draft == target argmax. draft_tokens [R, n], num_draft [R], target_logits [R, n + 1, V]."""
+    """Accept while draft == target argmax. draft_tokens [R, n], num_draft [R], target_logits [R, n + 1, V].
+
+    The accepted drafts equal the target's argmax, so the output is the argmax row up to the correction (or bonus)
+    at num_accepted; padding drafts (-1) never equal an argmax."""
     n = draft_tokens.shape[1]
     target_ids = target_logits.argmax(-1)  # [R, n + 1]
-    accepted = _draft_mask(draft_tokens, num_draft) & (draft_tokens == target_ids[:, :n])
+    col = torch.arange(n + 1, device=target_ids.device)
+    accepted = (draft_tokens == target_ids[:, :n]) & (col[:n] < num_draft[:, None])  # [R, n]
     num_accepted = _accepted_prefix(accepted)  # [R]
-    last = target_ids.gather(1, num_accepted[:, None])[:, 0]  # correction, or bonus at row num_draft
-    return VerifyResult(num_accepted, _assemble(draft_tokens, num_accepted, last))
+    return VerifyResult(num_accepted, target_ids.masked_fill(col > num_accepted[:, None], -1))
 
 
 def _draft_row(draft_probs: Tensor | None, draft_tokens: Tensor, index: Tensor, vocab_size: int) -> Tensor:

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from .draft_side import DraftProposal, DraftSide, draft_input
-from .rejection import verify_mixed
+from .rejection import verify_greedy, verify_mixed
 from .request import Request
 from .spec_config import SpeculativeConfig
 from .target_side import TargetSide
@@ -101,7 +101,7 @@ def _budget_capacity(reqs: list[Request], frac: float, max_drafts: int) -> list[
 def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], spec: SpeculativeConfig) -> StepResult:
     """One verify step for every running request; plain decoding when `draft` is None or nothing is drafted."""
     dev = target.device
-    params = sampling_tensors(reqs, dev)
+    hints = verify_hints(reqs)
     max_drafts = draft.num_speculative_tokens if draft is not None else 0
     want = [max(0, min(r.num_speculative_tokens, max_drafts, r.remaining - 1)) for r in reqs]
     t0 = time.perf_counter()
@@ -117,13 +117,17 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     if drafts is None:
         drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
     width = logits.shape[1] - 1
-    positions = params["anchor_pos"][:, None] + 1 + torch.arange(width + 1, device=dev)  # [R, width + 1]
-    dense = proposal.dense_probs(target.vocab_size) if proposal is not None else None
-    q = dense[:, :width].to(dev) if dense is not None else None
     with record_function("dspark.accept"):
-        result = verify_mixed(drafts[:, :width], to_device(n, torch.int64, dev), logits, q, params["is_greedy"],
-                              params["temperature"], params["top_k"], params["top_p"], params["min_p"],
-                              params["seeds"], positions, **verify_hints(reqs))
+        if hints["any_sampled"]:
+            params = sampling_tensors(reqs, dev)
+            positions = params["anchor_pos"][:, None] + 1 + torch.arange(width + 1, device=dev)  # [R, width + 1]
+            dense = proposal.dense_probs(target.vocab_size) if proposal is not None else None
+            q = dense[:, :width].to(dev) if dense is not None else None
+            result = verify_mixed(drafts[:, :width], to_device(n, torch.int64, dev), logits, q, params["is_greedy"],
+                                  params["temperature"], params["top_k"], params["top_p"], params["min_p"],
+                                  params["seeds"], positions, **hints)
+        else:  # every row greedy: no sampling parameters, no q
+            result = verify_greedy(drafts[:, :width], to_device(n, torch.int64, dev), logits)
         packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1).tolist()  # the step's host sync
     accepted, out_tokens = [row[0] for row in packed], [row[1:] for row in packed]
     t2 = time.perf_counter()

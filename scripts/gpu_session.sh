@@ -47,12 +47,15 @@ eval)
         --speed-prompts 8 --hf-baseline --profile --json "$OUT/bench_pair.json" 2>&1 | tee "$OUT/bench_pair.log"
     timeout 200 python3 bench/bench_gpu.py --models 8b 0.6b --json "$OUT/bench_gpu.json" 2>&1 \
         | tee "$OUT/bench_gpu.log" ;;
-fast)  # the Triton fast path: its GPU tests, then the real pair at batch 1 and the step benchmark
+fast)  # the fast path's GPU tests, the shipped pair (tau, batch-1 speed vs compiled generate, profile), the benchmarks
     timeout 150 python3 -P -m pytest -q tests/gpu/test_fused_ops_gpu.py tests/gpu/test_paged_attention_gpu.py \
-        tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
-    timeout 170 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 16 \
+        tests/gpu/test_markov_walk_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -4
+    timeout 300 python3 bench/bench_pair.py --target $T --sets code prose --temperatures 0 1 --accept-prompts 16 \
         --accept-batch 16 --max-tokens 256 --speed-prompts 8 --hf-baseline --profile --json "$OUT/bench_pair.json" 2>&1 \
-        | tee "$OUT/bench_pair.log" | grep -v Warn | tail -5
+        | tee "$OUT/bench_pair.log" | grep -v Warn | tail -8
+    timeout 90 python3 bench/bench_step.py --json "$OUT/bench_step.json" 2>&1 | grep -v Warn > "$OUT/bench_step.log"
+    grep -A3 "==" "$OUT/bench_step.log"
     timeout 110 python3 bench/bench_gpu.py --models 0.6b 8b --batch 1 8 64 --topk 64 --iters 10 \
         --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" ;;
 prof)  # engine GPU tests, then the pair at batch 1 with the step profile and Chrome traces (no baseline)
