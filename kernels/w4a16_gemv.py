@@ -40,13 +40,12 @@ class GemvConfig:
 
 
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    """From an H200 sweep (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md 2026-11-30): M == 1 takes the
-    tl.join path with [8, 1024] tiles and 2 warps; M > 1 the tensor-core path with [64, 256] tiles. Split-K only
-    while the N tiles alone give too few programs."""
+    """From H200 sweeps (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md 2026-11-30): M == 1 takes the
+    int32-word kernel with [8, 512] tiles and 2 warps (the best config of the second sweep on five of the six 8B
+    draft shapes, 1.35-1.69x bf16); M > 1 the tensor-core path with [64, 256] tiles. Split-K only while the N
+    tiles alone give too few programs."""
     if m == 1:
-        block_n, block_k, warps = 8, 1024, 2
-        split = 4 if triton.cdiv(n, block_n) < 1024 else 1
-        return GemvConfig(block_n, block_k, max(1, min(split, triton.cdiv(k, block_k))), False, warps, 3, join=True)
+        return words_config(n, k, 8, 512, 2, num_sms)
     block_n, block_k = 64, 256
     tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     split = 1
