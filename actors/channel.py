@@ -121,6 +121,8 @@ class DraftEnd(StepChannel):
             t0 = time.perf_counter()
             out = propose(DraftInput(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], feats, ints[:, 6:], temp,
                                      ints[:, 4]))
+            if self.device.type == "cuda":  # compute time includes the device's: the rest is the channel's
+                torch.cuda.synchronize(self.device)
             self._reply(out, int((time.perf_counter() - t0) * 1e6))
 
     def _reply(self, out: DraftProposal, compute_us: int) -> None:

@@ -80,14 +80,14 @@ def graph_costs(runners: dict, device: str, iters: int = 50) -> dict[str, dict[s
     return out
 
 
-def host_profile(llm: LLM, prompt: list[int], tokens: int, top: int) -> str:
+def host_profile(llm: LLM, prompt: list[int], tokens: int, top: int, sort: str = "tottime") -> str:
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     prof = cProfile.Profile()
     prof.enable()
     llm.generate([prompt], params)
     prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
     return buf.getvalue()
 
 
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--top", type=int, default=25, help="host functions listed (cProfile, by own time)")
+    ap.add_argument("--top", type=int, default=25, help="host functions listed (cProfile)")
+    ap.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="cProfile order")
     ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG,
                     help=f"JSON with vLLM's names (default: the demo's, {GPU_SPEC_CONFIG})")
     ap.add_argument("--json")
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "target_graphs": graph_costs(llm.target.graphs._runners, args.device)}
         if name == "spec":
             result[name]["draft_graphs"] = graph_costs(llm.draft.graphs._runners, args.device)
-        result[name]["host_profile"] = host_profile(llm, prompt, args.tokens, args.top)
+        result[name]["host_profile"] = host_profile(llm, prompt, args.tokens, args.top, args.sort)
     for name in ("plain", "spec"):
         r = result[name]
         print(f"== {name}: {r['ms_per_step']:.3f} ms/step over {r['steps']} steps")

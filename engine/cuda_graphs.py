@@ -36,17 +36,19 @@ class Staging:
     def __init__(self, n: int, dtype: torch.dtype, device: torch.device) -> None:
         cuda = device.type == "cuda"
         self.host = torch.zeros(n, dtype=dtype, pin_memory=cuda)
+        self._host_np = self.host.numpy()  # the same pinned memory: a list lands there without a temporary tensor
         self.dev = torch.zeros(n, dtype=dtype, device=device)
         self._copied = torch.cuda.Event() if cuda else None
+        self._stream = torch.cuda.current_stream(device) if cuda else None  # the steps' stream
 
     def upload(self, values: list) -> None:
         if self._copied is not None:
             self._copied.synchronize()
         n = len(values)
-        self.host[:n] = torch.tensor(values, dtype=self.host.dtype)
+        self._host_np[:n] = values
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(self._stream)
 
 
 def _bucket(n: int, sizes: tuple[int, ...]) -> int | None:

@@ -64,7 +64,8 @@ class DraftGraphs:
         if features is not None:
             self.feats[:features.shape[0]].copy_(features, non_blocking=True)
         self.ints.upload(self._layout(anchors, anchor_pos, tables, seeds, b, c, context))
-        self.temps.upload(temperature.tolist() + [0.0] * (b - len(anchors)))
+        if need_q:  # greedy-only graphs never read the temperatures
+            self.temps.upload(temperature.tolist() + [0.0] * (b - len(anchors)))
         key = (b, c, need_q)
         if key not in self._runners:
             self._runners[key] = self._build(b, c, need_q)

@@ -34,19 +34,21 @@ class DraftInput:
     seeds: Tensor  # [R] int64
 
 
-def draft_input(reqs: list[Request]) -> DraftInput:
+def draft_input(reqs: list[Request], anchors: list[int] | None = None,
+                anchor_pos: list[int] | None = None) -> DraftInput:
     """Collect the step's draft input (host tensors, except the features) and mark the pending features as
-    handed over."""
+    handed over. `anchors` / `anchor_pos` override the requests' own (drafting ahead of the commit)."""
     width = max(len(r.draft_blocks) for r in reqs)
     feats = [f for r in reqs for f in r.pending_features]
+    ints = torch.tensor([[r.anchor for r in reqs] if anchors is None else anchors,
+                         [r.anchor_pos for r in reqs] if anchor_pos is None else anchor_pos,
+                         [r.draft_context_len for r in reqs], [r.num_computed - r.draft_context_len for r in reqs],
+                         [r.seed for r in reqs]], dtype=torch.int64)  # [5, R]
     inp = DraftInput(
-        anchors=torch.tensor([r.anchor for r in reqs]), anchor_pos=torch.tensor([r.anchor_pos for r in reqs]),
-        ctx_start=torch.tensor([r.draft_context_len for r in reqs]),
-        ctx_len=torch.tensor([r.num_computed - r.draft_context_len for r in reqs]),
-        features=torch.cat(feats) if feats else None,
+        anchors=ints[0], anchor_pos=ints[1], ctx_start=ints[2], ctx_len=ints[3],
+        features=torch.cat(feats) if len(feats) > 1 else (feats[0] if feats else None),
         block_table=torch.tensor([r.draft_blocks + [0] * (width - len(r.draft_blocks)) for r in reqs]),
-        temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32),
-        seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64))
+        temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32), seeds=ints[4])
     for r in reqs:
         r.draft_context_len, r.pending_features = r.num_computed, []
     return inp
@@ -92,6 +94,10 @@ class DraftSide:
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded rows
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: DraftGraphs | None = None
+        # Draft the next step right after this step's accept (before the bookkeeping), so the host work between
+        # steps overlaps the draft on the device; the next step takes it if its batch is the one predicted.
+        self.draft_ahead = self.device.type == "cuda"
+        self.ahead: tuple[list[tuple[Request, int, int]], DraftProposal] | None = None
         self._scatter_cols = torch.arange(cfg.draft_vocab_size, device=self.device) + model.d2t.to(self.device)
         self._w2_nvfp4 = model.markov_head is not None and isinstance(model.markov_head.markov_w2, NVFP4Linear)
         self._reduced_vocab = bool(model.d2t.any())

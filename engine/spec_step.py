@@ -108,7 +108,7 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     proposal = None
     with record_function("dspark.draft"):  # the regions bench/bench_pair.py --profile reports
         if draft is not None and any(want):
-            proposal = draft.propose(draft_input(reqs))
+            proposal = _drafted_ahead(draft, reqs) or draft.propose(draft_input(reqs))
     t1 = time.perf_counter()
     n = num_to_verify(reqs, proposal, spec, max_drafts) if proposal is not None else [0] * len(reqs)
     drafts = proposal.tokens.to(dev) if proposal is not None else None
@@ -137,7 +137,42 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
         _record(r, a, k, (t1 - t0) * 1e3, (t2 - t1) * 1e3, max_drafts)
         r.stats.transfer_ms += proposal.transfer_ms if proposal is not None else 0.0
         new_tokens.append(toks[:a + 1])
+    if getattr(draft, "draft_ahead", False):
+        _draft_ahead(draft, reqs, new_tokens, max_drafts)
     return StepResult(new_tokens, accepted, n)
+
+
+def _draft_ahead(draft: DraftSide, reqs: list[Request], new_tokens: list[list[int]], max_drafts: int) -> None:
+    """Launch the next step's draft now, from the tokens this step commits (the caller appends them later). It is
+    used only if the next step's batch is these requests at the predicted positions (a stop, an abort, a
+    preemption or an admission in between changes it; then the next step drafts afresh, and what this draft
+    wrote to the draft cache is valid context or scratch)."""
+    draft.ahead = None
+    pos = [r.num_tokens - 1 + len(t) for r, t in zip(reqs, new_tokens)]  # the next anchors' positions
+    if not any(min(r.num_speculative_tokens, max_drafts, r.remaining - len(t) - 1) > 0
+               for r, t in zip(reqs, new_tokens)):
+        return
+    pool = draft.allocator  # the next query block may need draft cache blocks the scheduler grows later
+    need = [max(0, pool.blocks_for(p + draft.query_len) - len(r.draft_blocks)) for r, p in zip(reqs, pos)]
+    if sum(need) > pool.num_free:
+        return
+    for r, k in zip(reqs, need):
+        r.draft_blocks.extend(pool.allocate_blocks(k) if k else [])
+    key = [(r, p, r.num_computed) for r, p in zip(reqs, pos)]
+    draft.ahead = (key, draft.propose(draft_input(reqs, [t[-1] for t in new_tokens], pos)))
+
+
+def _drafted_ahead(draft: DraftSide, reqs: list[Request]) -> DraftProposal | None:
+    """The proposal drafted ahead at the end of the previous step, if it was drafted for exactly this batch."""
+    ahead = getattr(draft, "ahead", None)
+    if ahead is None:
+        return None
+    draft.ahead = None
+    key, proposal = ahead
+    if len(key) != len(reqs) or any(r is not k or r.anchor_pos != p or r.num_computed != c
+                                     for r, (k, p, c) in zip(reqs, key)):
+        return None
+    return proposal
 
 
 def _commit_cache(r: Request, accepted: int, features: Tensor | None) -> None:

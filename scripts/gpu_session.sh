@@ -7,6 +7,7 @@
 #   regen     the target's greedy responses to the training prompts not in the shipped drafter's data
 #   train     continue the bf16 drafter (.work/drafter-bf16) on all responses, quantize, return both
 #   eval D    bench_pair for drafter D against transformers' compiled generate, then bench_gpu
+#   pair      engine GPU tests, the pair's batch-1 speed against compiled generate, bench_step
 #   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
 #   fast      the Triton fast path's GPU tests, the shipped pair at batch 1 vs compiled generate, bench_gpu
 set -uo pipefail
@@ -58,6 +59,14 @@ fast)  # the fast path's GPU tests, the shipped pair (tau, batch-1 speed vs comp
     grep -A3 "==" "$OUT/bench_step.log"
     timeout 110 python3 bench/bench_gpu.py --models 0.6b 8b --batch 1 8 64 --topk 64 --iters 10 \
         --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" ;;
+pair)  # engine GPU tests, then the pair at batch 1 against compiled generate, and bench_step (no bench_gpu)
+    timeout 100 python3 -P -m pytest -q tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -2
+    timeout 240 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 16 \
+        --accept-batch 16 --max-tokens 256 --speed-prompts 8 --hf-baseline --json "$OUT/bench_pair.json" 2>&1 \
+        | tee "$OUT/bench_pair.log" | grep -v Warn | tail -3
+    timeout 90 python3 bench/bench_step.py --json "$OUT/bench_step.json" 2>&1 | grep -v Warn > "$OUT/bench_step.log"
+    grep -A6 "==" "$OUT/bench_step.log" ;;
 prof)  # engine GPU tests, then the pair at batch 1 with the step profile and Chrome traces (no baseline)
     timeout 120 python3 -P -m pytest -q tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -3

@@ -1,0 +1,41 @@
+"""Drafting ahead (the next step's draft launched right after this step's accept) changes no output: greedy and
+seeded sampling, continuous batching with admissions, stop tokens and length limits; and it is really used."""
+
+import pytest
+import torch
+from engine_pairs import build_pair
+
+from dspark_serve.engine import spec_step as spec_step_module
+from dspark_serve.engine.llm import LLM
+from dspark_serve.engine.sampling_params import SamplingParams
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 255, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (count,), generator=g)]
+
+
+@pytest.mark.parametrize("spec", [{}, {"dspark_draft_topk": 8}])
+@pytest.mark.parametrize("static", [False, True])
+def test_draft_ahead_changes_no_output(spec, static, monkeypatch):
+    target, draft = build_pair(seed=11, agree=0.005, block_size=5)
+    prompts = _prompts(3, 14)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, max_tokens=12 + 3 * i, seed=i,
+                             stop_token_ids=(7,) if i % 3 == 0 else ()) for i in range(len(prompts))]
+    outs = {}
+    used = []
+    taken = spec_step_module._drafted_ahead
+    monkeypatch.setattr(spec_step_module, "_drafted_ahead", lambda d, r: used.append(taken(d, r)) or used[-1])
+    for ahead in (False, True):
+        llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
+                  enforce_eager=not static)
+        llm.draft.draft_ahead = ahead
+        used.clear()
+        outs[ahead] = llm.generate(prompts, params)  # 14 prompts through 4 slots: admissions between steps
+        assert llm.target.allocator.num_free == 256 and llm.draft.allocator.num_free == 256
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
+    hits = sum(p is not None for p in used)
+    assert hits > len(used) // 2, (hits, len(used))  # most steps took the draft launched ahead
+    assert hits < len(used)  # and some batches changed (admissions, stops), so it was discarded there
