@@ -1,4 +1,6 @@
 """W4A16 GEMM / GEMV: bf16 activations [M, K] x NVFP4 weight [N, K] -> bf16 [M, N], dequant fused, fp32 acc.
+Without an explicit GemmConfig, M <= 16 runs the GEMV kernels (w4a16_gemv.py) and M > 16 dequantizes to bf16 and
+runs one cuBLAS GEMM (w4a16_dequant_matmul).
 
 Even and odd K columns are multiplied separately (x[:, 0::2] with the low nibbles, x[:, 1::2] with the high
 ones), so the packed bytes never need interleaving.
@@ -7,6 +9,7 @@ ones), so the packed bytes never need interleaving.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -91,6 +94,8 @@ def w4a16_gemm(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
     if config is None and m <= 16:  # decode shapes: the dedicated memory-bound GEMV
         from .w4a16_gemv import w4a16_gemv
         return w4a16_gemv(x, packed, weight_scale, weight_scale_2)
+    if config is None:  # M > 16: this kernel measured 14-50x slower than bf16 there (bench/RESULTS.md)
+        return w4a16_dequant_matmul(x, packed, weight_scale, weight_scale_2)
     cfg = config or default_config(m, n, k)
     if cfg.split_k > 1 and cfg.block_m > 16:  # measured wrong on an H200 (rel. err 0.86), cause not found yet
         raise ValueError(f"split_k > 1 is only supported with block_m == 16, got {cfg}")
@@ -107,6 +112,15 @@ def w4a16_gemm(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
                              DOT_F32=dot_f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(torch.bfloat16) if split > 1 else out
+
+
+def w4a16_dequant_matmul(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor) -> Tensor:
+    """M > 16: dequantize to a bf16 temporary (code * fp8 scale, exact in bf16), one bf16 GEMM (fp32 accumulation),
+    then weight_scale_2 on the fp32 result: two bf16 roundings instead of one."""
+    from . import nvfp4
+    unit = torch.ones((), dtype=torch.float32, device=packed.device)
+    w = nvfp4.dequantize(packed, weight_scale, unit, torch.bfloat16)                              # [N, K]
+    return (F.linear(x.to(torch.bfloat16), w).float() * weight_scale_2.float()).to(torch.bfloat16)
 
 
 def w4a16_gemm_ref(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor,
