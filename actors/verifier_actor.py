@@ -42,7 +42,7 @@ class VerifierActor:
         self._heartbeat = time.monotonic()
         self._counters = {"requests_finished": 0, "tokens_generated": 0, "steps": 0, "accepted": 0}
         self._thread: threading.Thread | None = None
-        if self.draft_cfg is None:
+        if self.draft_cfg is None or cfg.colocate:  # no step channel to wait for
             self._build(None)
 
     def channel_address(self, host: str | None = None) -> tuple[str, int]:
@@ -64,7 +64,8 @@ class VerifierActor:
         if end is not None:
             n = self.spec.num_speculative_tokens or self.draft_cfg.num_speculative_tokens
             remote = RemoteDraft(end, n, self.draft_cfg.query_len, c.num_kv_blocks, c.block_size)
-        self.llm = LLM(c.target, None, self.spec, dtype=self.dtype, device=str(self.device),
+        local = c.draft if c.colocate else None  # co-located: the draft runs in this actor, on its device
+        self.llm = LLM(c.target, local, self.spec, dtype=self.dtype, device=str(self.device),
                        block_size=c.block_size, num_kv_blocks=c.num_kv_blocks, max_num_seqs=c.max_num_seqs,
                        max_model_len=c.max_model_len, draft_side=remote, enforce_eager=c.enforce_eager or None,
                        capture_layers=self.draft_cfg.target_layer_ids if remote is not None else ())

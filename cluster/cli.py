@@ -60,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
                       device=args.device or "auto", dtype=args.dtype, block_size=args.block_size,
                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                       max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, placement=args.placement,
-                      channel_host=args.channel_host,
+                      channel_host=args.channel_host, colocate=args.colocate,
                       target_resources=_resources(args.target_resources, "--target-resources"),
                       draft_resources=_resources(args.draft_resources, "--draft-resources"))
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
@@ -195,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     demo.add_argument("--speculative-config", help="JSON (vLLM names); default on CPU: a confidence threshold of 0.3")
     demo.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the service")
+    demo.add_argument("--colocate", action="store_true", help="serve with the draft inside the verifier actor")
     demo.add_argument("--tiny", action="store_true",
                       help="in-process, on a tiny constructed pair (random weights; no download, seconds on CPU)")
     demo.add_argument("--seed", type=int, default=0, help="--tiny: the pair's seed")
@@ -230,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     s.add_argument("--placement", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     s.add_argument("--channel-host", help="address the step channel binds (default: the verifier's node IP)")
+    s.add_argument("--colocate", action="store_true",
+                   help="run the draft inside the verifier actor, on its device (no second actor, no step channel)")
     s.add_argument("--target-resources", help='custom Ray resources for the verifier, JSON, e.g. {"target_gpu": 1}')
     s.add_argument("--draft-resources", help='custom Ray resources for the draft, JSON, e.g. {"draft_gpu": 1}')
     s.add_argument("--block-size", type=int, default=16)

@@ -20,6 +20,7 @@ class PairConfig:
     max_model_len: int = 4096
     enforce_eager: bool = False  # vLLM's name: True turns off the CUDA graphs (static-shape steps) on GPUs
     placement: str = "PACK"  # PACK: one node if possible; SPREAD: draft and verifier on different nodes
+    colocate: bool = False  # the draft inside the verifier actor (one device, no step channel, drafting ahead)
     channel_host: str | None = None  # address the verifier's step channel binds; None: its node IP
     num_cpus: float = 1.0  # per actor
     target_resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources steering the verifier

@@ -32,10 +32,11 @@ CPU_SPEC_CONFIG = '{"dspark_confidence_threshold": 0.3, "dspark_draft_topk": 64}
 
 
 def _start_server(target: Path, draft: Path, cuda: bool, spec_config: str | None,
-                  timeout_s: float) -> tuple[subprocess.Popen, str]:
+                  timeout_s: float, colocate: bool = False) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(target), "--draft", str(draft),
            "--host", "127.0.0.1", "--port", "0", "--max-model-len", "2048", "--num-kv-blocks", "1024"]
     cmd += ["--speculative-config", spec_config] if spec_config else []
+    cmd += ["--colocate"] if colocate else []
     cmd += [] if cuda else ["--device", "cpu", "--dtype", "float32"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -92,7 +93,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"target {target}\ndraft  {draft}\nspeculative_config {spec_config}\n"
           "starting Ray, the verifier and draft actors and the gateway ...", flush=True)
     try:
-        proc, address = _start_server(target, draft, cuda, spec_config, args.start_timeout)
+        proc, address = _start_server(target, draft, cuda, spec_config, args.start_timeout, args.colocate)
     except RuntimeError as e:
         print(f"dspark-serve demo: error: {e}", file=sys.stderr)
         return 1

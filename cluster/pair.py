@@ -60,11 +60,12 @@ def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
     from dspark_serve.actors.verifier_actor import VerifierActor
 
     cfg.validate()
-    plan = plan_devices(cfg.device, ray.cluster_resources().get("GPU", 0), cfg.draft is not None)
+    split = cfg.draft is not None and not cfg.colocate  # a draft actor of its own
+    plan = plan_devices(cfg.device, ray.cluster_resources().get("GPU", 0), split)
     cfg = replace(cfg, device=plan.device)
     gpu = {"GPU": plan.gpus_per_actor} if plan.gpus_per_actor else {}
     bundle = lambda extra: {"CPU": cfg.num_cpus, **gpu, **dict(extra)}  # noqa: E731
-    bundles = [bundle(cfg.target_resources)] + ([bundle(cfg.draft_resources)] if cfg.draft else [])
+    bundles = [bundle(cfg.target_resources)] + ([bundle(cfg.draft_resources)] if split else [])
     pg = placement_group(bundles, strategy=cfg.placement)
     ray.get(pg.ready(), timeout=timeout_s)
 
@@ -75,7 +76,7 @@ def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
                                            cfg.target_resources if index == 0 else cfg.draft_resources)).remote(cfg)
 
     verifier = spawn(VerifierActor, 0)
-    draft = spawn(DraftActor, 1) if cfg.draft else None
+    draft = spawn(DraftActor, 1) if split else None
     backend = plan.backend
     if draft is not None:
         host, port = ray.get(verifier.channel_address.remote(cfg.channel_host), timeout=timeout_s)

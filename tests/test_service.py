@@ -279,3 +279,22 @@ def test_a_dead_verifier_fails_streams_and_health(pair_dirs):
     finally:
         c.close()
         srv.kill()
+
+
+def test_colocated_draft_serves_the_same_tokens(pair_dirs, local):
+    """--colocate: the draft inside the verifier actor (no draft actor, no step channel); same greedy tokens,
+    no channel time, the draft's blocks accounted on the same server."""
+    srv = ServerProcess(*pair_dirs, "--colocate")
+    try:
+        c = DSparkClient(srv.address)
+        prompts = _prompts(4)
+        refs = local.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
+        for prompt, ref in zip(prompts, refs):
+            out = c.generate(prompt, temperature=0.0, max_tokens=24)
+            assert out["token_ids"] == ref.token_ids
+            assert out["stats"]["tau"] > 2.0 and out["stats"]["transfer_ms"] == 0
+        s = _wait_blocks_free(c)
+        assert s.total_draft_blocks == 1024 and s.tokens_generated == 4 * 24
+        c.close()
+    finally:
+        srv.kill()
