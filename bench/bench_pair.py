@@ -1,10 +1,10 @@
 """The real demo pair (Qwen2.5-Coder-0.5B-Instruct + the shipped DSpark drafter) on held-out prompts:
 tau and per-position acceptance (greedy and T = 1, code and prose), greedy agreement with plain decoding, and
 batch-1 plain vs speculative tokens/s (optionally against transformers' static-cache + torch.compile generate),
-measured in one run.
+and with --concurrency plain vs speculative tokens/s with many requests at once, measured in one run.
 
 usage: python bench/bench_pair.py [--target DIR] [--draft DIR] [--accept-batch 32] [--max-tokens 256]
-                                  [--speed-prompts 8] [--hf-baseline] [--profile] [--json OUT]
+                                  [--speed-prompts 8] [--hf-baseline] [--profile] [--concurrency 1 8 64] [--json OUT]
 """
 
 from __future__ import annotations
@@ -42,6 +42,33 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, 
     if llm.target.device.type == "cuda":
         torch.cuda.synchronize()
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), outs
+
+
+def timed_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list]:
+    """All prompts submitted at once (continuous batching): output tokens per second."""
+    if llm.target.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    if llm.target.device.type == "cuda":
+        torch.cuda.synchronize()
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), outs
+
+
+def concurrency_rows(plain: LLM, spec: LLM, pool: list[str], levels: list[int], max_tokens: int) -> list[dict]:
+    """P6: plain vs speculative tok/s with c requests at once, greedy (held-out prompts, cycled when fewer)."""
+    rows = []
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for c in levels:
+        prompts = [pool[i % len(pool)] for i in range(c)]
+        timed_batch(plain, prompts, params), timed_batch(spec, prompts, params)  # warm-up: capture the buckets
+        plain_tps, _ = timed_batch(plain, prompts, params)
+        spec_tps, outs = timed_batch(spec, prompts, params)
+        rows.append({"concurrency": c, "plain_tok_s": plain_tps, "spec_tok_s": spec_tps,
+                     "tau": acceptance(outs)["tau"], "speedup": spec_tps / plain_tps})
+        print(f"concurrency {c:>3}: plain {plain_tps:.1f} tok/s, speculative {spec_tps:.1f} tok/s "
+              f"(tau {rows[-1]['tau']:.2f}, {rows[-1]['speedup']:.2f}x)", flush=True)
+    return rows
 
 
 def hf_baseline(target: Path, prompts: list[str], max_tokens: int) -> float:
@@ -111,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--speed-prompts", type=int, default=8, help="code prompts timed at batch 1 (0: skip)")
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' compiled generate")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[],
+                    help="also plain vs speculative tok/s with this many code prompts at once, e.g. 1 8 32 64 (P6)")
     ap.add_argument("--device")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the checkpoint's on CUDA, fp32 on CPU")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to compare)")
@@ -123,8 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     dtype = getattr(torch, args.dtype) if args.dtype else (None if cuda else torch.float32)
-    kv = dict(device=args.device, dtype=dtype, max_num_seqs=args.accept_batch,
-              num_kv_blocks=args.accept_batch * -(-(1200 + args.max_tokens) // 16),
+    seqs = max([args.accept_batch, *args.concurrency])
+    kv = dict(device=args.device, dtype=dtype, max_num_seqs=seqs,
+              num_kv_blocks=seqs * -(-(1200 + args.max_tokens) // 16),
               enforce_eager=args.enforce_eager or None)
     plain, spec = LLM(args.target, None, **kv), LLM(args.target, args.draft, args.speculative_config, **kv)
     sets = {s: [CHAT_TEMPLATE.format(t) for t in read_prompt_texts(PROMPTS / f"heldout_{s}.jsonl")]
@@ -161,6 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
             speed["spec_over_hf"] = spec_tps / speed["hf_compiled_tok_s"]
             speed["plain_over_hf"] = plain_tps / speed["hf_compiled_tok_s"]
         result["speed"] = speed
+    if args.concurrency:
+        result["concurrency"] = concurrency_rows(plain, spec, sets.get("code", next(iter(sets.values()))),
+                                                 args.concurrency, args.max_tokens)
     if args.profile:
         prompt = sets.get("code", next(iter(sets.values())))[0]
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

@@ -57,12 +57,16 @@ def test_bench_pair_reports_speed_and_a_step_profile(tmp_path):
     out = tmp_path / "pair.json"
     r = subprocess.run([sys.executable, str(HELDOUT.parents[1] / "bench_pair.py"), "--sets", "code",
                         "--temperatures", "0", "--accept-prompts", "2", "--accept-batch", "2", "--max-tokens", "12",
-                        "--speed-prompts", "1", "--device", "cpu", "--profile", "--json", str(out)],
+                        "--speed-prompts", "1", "--device", "cpu", "--profile", "--concurrency", "2",
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["acceptance"][0]["greedy_identical"] == 1.0 and res["acceptance"][0]["tau"] > 1.0
     assert res["speed"]["plain_tok_s"] > 0 and res["speed"]["spec_tok_s"] > 0
+    (row,) = res["concurrency"]
+    assert row["concurrency"] == 2 and row["plain_tok_s"] > 0 and row["tau"] > 1.0
+    assert abs(row["speedup"] - row["spec_tok_s"] / row["plain_tok_s"]) < 1e-9
     spec, plain = res["profile"]["spec"], res["profile"]["plain"]
     assert set(spec["regions"]) == {"dspark.draft", "dspark.verify", "dspark.accept"}
     assert spec["regions"]["dspark.draft"]["host_ms"] > 0 and spec["regions"]["dspark.verify"]["host_ms"] > 0
