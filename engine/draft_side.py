@@ -1,4 +1,4 @@
-"""The draft's half of a step: write new context K/V, run the block in one pass, sample left to right with the Markov bias."""
+"""The draft's half of a step: write new context K/V, run the block in one pass, walk the Markov head."""
 
 from __future__ import annotations
 
