@@ -1,6 +1,7 @@
 """Issue 8 (f) / P5: speculative decoding at batch 1 with the draft on one GPU and the verifier on another (two Ray
-actors, the NCCL step channel) against both co-located in one process on one GPU, measured in one run; plus the
-per-step coordination time (the channel's wall time minus the draft's compute, as the verifier sees it).
+actors, the NCCL step channel) against both co-located in one process on one GPU, and against the service's
+`--colocate` actor (the draft inside the verifier actor), measured in one run; plus the per-step coordination time
+(the channel's wall time minus the draft's compute, as the verifier sees it).
 
 usage: python bench/bench_two_gpus.py [--target DIR] [--prompts 4] [--tokens 256] [--json OUT]
        python bench/bench_two_gpus.py --device cpu --tokens 8 --prompts 1   # the same path on CPU (gloo)
@@ -14,6 +15,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import replace
 
 import ray
 import torch
@@ -98,12 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
                     "tokens": args.tokens, "prompts": args.prompts, "speculative_config": GPU_SPEC_CONFIG,
                     "target": args.target or "random Qwen2.5-0.5B shape"}
     result["split"] = run_pair(cfg, prompts, params)  # one GPU per actor when there are two (NCCL)
+    result["colocated_actor"] = run_pair(replace(cfg, colocate=True), prompts, params)
     ray.shutdown()
     result["colocated"] = run_colocated(target, args.device, prompts, params)
     result["split_over_colocated"] = result["split"]["tok_s"] / result["colocated"]["tok_s"]
     tmp.cleanup()
     print(f"{'setup':<34} {'tok/s':>8} {'ms/step':>8} {'tau':>5} {'coordination ms/step':>21}")
-    for name, key in (("draft and verifier actors (split)", "split"), ("co-located, one process", "colocated")):
+    for name, key in (("draft and verifier actors (split)", "split"), ("--colocate: one actor", "colocated_actor"),
+                      ("co-located, one process", "colocated")):
         r = result[key]
         print(f"{name:<34} {r['tok_s']:>8.1f} {r['ms_per_step']:>8.3f} {r['tau']:>5.2f} "
               f"{r['coordination_ms_per_step']:>21.3f}")

@@ -8,6 +8,7 @@
 #   train     continue the bf16 drafter (.work/drafter-bf16) on all responses, quantize, return both
 #   eval D    bench_pair for drafter D against transformers' compiled generate, then bench_gpu
 #   pair      engine GPU tests, the pair's batch-1 speed against compiled generate, bench_step
+#   p6        plain vs speculative tok/s with 1, 8, 32 and 64 requests at once (issue 8, P6)
 #   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
 #   fast      the Triton fast path's GPU tests, the shipped pair at batch 1 vs compiled generate, bench_gpu
 set -uo pipefail
@@ -67,6 +68,10 @@ pair)  # engine GPU tests, then the pair at batch 1 against compiled generate, a
         | tee "$OUT/bench_pair.log" | grep -v Warn | tail -3
     timeout 90 python3 bench/bench_step.py --json "$OUT/bench_step.json" 2>&1 | grep -v Warn > "$OUT/bench_step.log"
     grep -A6 "==" "$OUT/bench_step.log" ;;
+p6)  # P6: plain vs speculative tok/s at concurrency 1-64 (held-out code prompts, greedy, 128 tokens each)
+    timeout 400 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 0 \
+        --speed-prompts 0 --max-tokens 128 --concurrency 1 8 32 64 --json "$OUT/bench_p6.json" 2>&1 \
+        | tee "$OUT/bench_p6.log" | grep -v Warn | tail -6 ;;
 prof)  # engine GPU tests, then the pair at batch 1 with the step profile and Chrome traces (no baseline)
     timeout 120 python3 -P -m pytest -q tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -3
