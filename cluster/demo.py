@@ -90,8 +90,9 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
     cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
     spec_config = args.speculative_config or (GPU_SPEC_CONFIG if cuda else CPU_SPEC_CONFIG)
+    actors = "the verifier actor (with the draft inside)" if args.colocate else "the verifier and draft actors"
     print(f"target {target}\ndraft  {draft}\nspeculative_config {spec_config}\n"
-          "starting Ray, the verifier and draft actors and the gateway ...", flush=True)
+          f"starting Ray, {actors} and the gateway ...", flush=True)
     try:
         proc, address = _start_server(target, draft, cuda, spec_config, args.start_timeout, args.colocate)
     except RuntimeError as e:
