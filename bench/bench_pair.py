@@ -34,22 +34,12 @@ def acceptance(outs: list) -> dict:
             "per_position": [a / max(steps, 1) for a in per_pos]}  # P(position i accepted) per step
 
 
-def timed(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list]:
+def timed(llm: LLM, prompts: list[str], params: SamplingParams, at_once: bool = False) -> tuple[float, list]:
+    """Output tokens per second: prompts one after another (batch 1), or all submitted at once."""
     if llm.target.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = [llm.generate([p], params)[0] for p in prompts]  # batch 1, one after another
-    if llm.target.device.type == "cuda":
-        torch.cuda.synchronize()
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), outs
-
-
-def timed_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list]:
-    """All prompts submitted at once (continuous batching): output tokens per second."""
-    if llm.target.device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params) if at_once else [llm.generate([p], params)[0] for p in prompts]
     if llm.target.device.type == "cuda":
         torch.cuda.synchronize()
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), outs
@@ -61,9 +51,9 @@ def concurrency_rows(plain: LLM, spec: LLM, pool: list[str], levels: list[int], 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for c in levels:
         prompts = [pool[i % len(pool)] for i in range(c)]
-        timed_batch(plain, prompts, params), timed_batch(spec, prompts, params)  # warm-up: capture the buckets
-        plain_tps, _ = timed_batch(plain, prompts, params)
-        spec_tps, outs = timed_batch(spec, prompts, params)
+        timed(plain, prompts, params, True), timed(spec, prompts, params, True)  # warm-up: capture the buckets
+        plain_tps, _ = timed(plain, prompts, params, True)
+        spec_tps, outs = timed(spec, prompts, params, True)
         rows.append({"concurrency": c, "plain_tok_s": plain_tps, "spec_tok_s": spec_tps,
                      "tau": acceptance(outs)["tau"], "speedup": spec_tps / plain_tps})
         print(f"concurrency {c:>3}: plain {plain_tps:.1f} tok/s, speculative {spec_tps:.1f} tok/s "

@@ -15,7 +15,7 @@ import argparse
 import json
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import ray
 import torch
@@ -52,13 +52,13 @@ def run_pair(cfg: PairConfig, prompts: list[list[int]], params: dict) -> dict:
     return summary(outs, dt)
 
 
-def summary(outs: list, seconds: float) -> dict:
-    get = (lambda o, k: o["stats"][k]) if isinstance(outs[0], dict) else (lambda o, k: o.stats[k])  # noqa: E731
-    tokens = sum(len(o["token_ids"] if isinstance(o, dict) else o.token_ids) for o in outs)
-    steps = sum(get(o, "steps") for o in outs)
-    return {"tok_s": tokens / seconds, "steps": steps, "tau": (sum(get(o, "accepted") for o in outs) + steps) / steps,
-            "ms_per_step": seconds * 1e3 / steps,
-            "coordination_ms_per_step": sum(get(o, "transfer_ms") for o in outs) / steps}
+def summary(outs: list[dict], seconds: float) -> dict:
+    """outs: RequestOutputs as dicts (the verifier actor's wire shape)."""
+    total = lambda key: sum(o["stats"][key] for o in outs)  # noqa: E731
+    steps = total("steps")
+    return {"tok_s": sum(len(o["token_ids"]) for o in outs) / seconds, "steps": steps,
+            "tau": (total("accepted") + steps) / steps, "ms_per_step": seconds * 1e3 / steps,
+            "coordination_ms_per_step": total("transfer_ms") / steps}
 
 
 def run_colocated(target: str, device: str, prompts: list[list[int]], params: dict) -> dict:
@@ -71,7 +71,7 @@ def run_colocated(target: str, device: str, prompts: list[list[int]], params: di
     outs = [llm.generate([p], sp)[0] for p in prompts]
     if device == "cuda":
         torch.cuda.synchronize()
-    return summary(outs, time.perf_counter() - t0)
+    return summary([asdict(o) for o in outs], time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> dict:

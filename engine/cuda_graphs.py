@@ -19,6 +19,8 @@ from torch import Tensor
 from dspark_serve.kernels.attention import AttentionMetadata
 from dspark_serve.models.qwen import QwenForCausalLM
 
+from .kv_cache import slots_of
+
 
 @dataclass(frozen=True)
 class GraphBuckets:
@@ -108,7 +110,7 @@ class TargetGraphs:
             n, o = len(toks), r * q
             ids[o:o + n] = toks
             pos[o:o + q] = range(start, start + q)
-            slots[o:o + n] = [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+            slots[o:o + n] = slots_of(blocks, start, n, bs)
             seq[r] = start + q
             table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
         return ids + pos + slots + seq + table

@@ -20,6 +20,7 @@ from torch import Tensor
 from dspark_serve.kernels.attention import AttentionMetadata
 
 from .cuda_graphs import GraphBuckets, Staging, _bucket, capture
+from .kv_cache import slots_of
 
 if TYPE_CHECKING:
     from .draft_side import DraftProposal, DraftSide
@@ -82,13 +83,13 @@ class DraftGraphs:
         i = 0
         for blocks, start, n in zip(*context):
             ctx_pos[i:i + n] = range(start, start + n)
-            ctx_slots[i:i + n] = [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+            ctx_slots[i:i + n] = slots_of(blocks, start, n, bs)
             i += n
         pad = b - len(anchors)
         pos, slots, table = [0] * (b * ql), [self.trash] * (b * ql), [0] * (b * w)
         for r, (p0, blocks) in enumerate(zip(anchor_pos, tables)):
             pos[r * ql:(r + 1) * ql] = range(p0, p0 + ql)
-            slots[r * ql:(r + 1) * ql] = [blocks[p // bs] * bs + p % bs for p in range(p0, p0 + ql)]
+            slots[r * ql:(r + 1) * ql] = slots_of(blocks, p0, ql, bs)
             table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
         seq = [p + ql for p in anchor_pos] + [ql] * pad
         return list(anchors) + [0] * pad + list(anchor_pos) + [0] * pad + list(seeds) + [0] * pad + seq + pos \

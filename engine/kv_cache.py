@@ -38,13 +38,17 @@ class BlockAllocator:
         self._free.extend(blocks)
 
 
+def slots_of(blocks: list[int], start: int, n: int, block_size: int) -> list[int]:
+    """Cache slots of positions start .. start + n - 1 of a sequence with these blocks."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+
+
 def batch_metadata(block_tables: list[list[int]], starts: list[int], query_lens: list[int], block_size: int,
                    device: torch.device, causal: bool = True) -> AttentionMetadata:
     """Sequence b writes query_lens[b] tokens at positions starts[b].. and sees everything before them."""
     width = max(len(t) for t in block_tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64)
-    slots = [t[p // block_size] * block_size + p % block_size
-             for t, s, q in zip(block_tables, starts, query_lens) for p in range(s, s + q)]
+    slots = [slot for t, s, q in zip(block_tables, starts, query_lens) for slot in slots_of(t, s, q, block_size)]
     seq_lens = [s + q for s, q in zip(starts, query_lens)]
     cu = [0]
     for q in query_lens:
