@@ -80,6 +80,66 @@ def graph_costs(runners: dict, device: str, iters: int = 50) -> dict[str, dict[s
     return out
 
 
+def timeline(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float]:
+    """Medians per step, µs: waiting for the step's accepted counts (the sync), then host time from that sync to
+    the next graph launch (the device idles unless work was queued ahead), and the step's wall time."""
+    from dspark_serve.engine import spec_step as ss
+    finish, replay = ss._finish, torch.cuda.CUDAGraph.replay if torch.cuda.is_available() else None
+    marks: list[tuple[str, float]] = []
+
+    def timed_finish(*a, **k):
+        t = time.perf_counter()
+        out = finish(*a, **k)
+        marks.append(("sync", t))
+        marks.append(("synced", time.perf_counter()))
+        return out
+
+    def timed_replay(self):
+        marks.append(("replay", time.perf_counter()))
+        return replay(self)
+    ss._finish = timed_finish
+    if replay is not None:
+        torch.cuda.CUDAGraph.replay = timed_replay
+    try:
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    finally:
+        ss._finish = finish
+        if replay is not None:
+            torch.cuda.CUDAGraph.replay = replay
+    waits, gaps, walls, last_synced, last_sync = [], [], [], None, None
+    for kind, t in marks:
+        if kind == "sync":
+            if last_sync is not None:
+                walls.append(t - last_sync)
+            last_sync = t
+        elif kind == "synced":
+            waits.append(t - last_sync)
+            last_synced = t
+        elif kind == "replay" and last_synced is not None:
+            gaps.append(t - last_synced)
+            last_synced = None
+    med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6 if xs else float("nan")  # noqa: E731
+    return {"sync_wait_us": med(waits), "sync_to_launch_us": med(gaps), "step_us": med(walls)}
+
+
+def kernel_table(llm: LLM, prompt: list[int], tokens: int, top: int) -> str:
+    """The device's kernels over one run (graph replays included), by total time, with calls per step."""
+    from torch.profiler import ProfilerActivity, profile
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = llm.generate([prompt], params)[0]
+        torch.cuda.synchronize()
+    steps = out.stats["steps"]
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]
+    lines = [f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  kernel"]
+    for e in rows:
+        lines.append(f"{e.device_time_total / steps:9.1f} {e.count / steps:10.2f} {e.device_time_total / max(1, e.count):8.2f}"
+                     f"  {e.key[:110]}")
+    total = sum(e.device_time_total for e in prof.key_averages())
+    lines.append(f"{total / steps:9.1f} us/step of device time in all ({steps} steps)")
+    return "\n".join(lines)
+
+
 def host_profile(llm: LLM, prompt: list[int], tokens: int, top: int, sort: str = "tottime") -> str:
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     prof = cProfile.Profile()
@@ -100,6 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="cProfile order")
     ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG,
                     help=f"JSON with vLLM's names (default: the demo's, {GPU_SPEC_CONFIG})")
+    ap.add_argument("--kernels", type=int, default=0, help="also list the top N device kernels (torch.profiler)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -112,19 +173,29 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                     "torch": torch.__version__, "tokens": args.tokens, "speculative_config": args.speculative_config}
     for name, llm in (("plain", plain), ("spec", spec)):
+        llm.target.step_ahead = False  # the same run without launching the next step ahead, for the ratio
+        ms_alone, _ = ms_per_step(llm, prompt, args.tokens)
+        llm.target.step_ahead = args.device == "cuda"
         ms, steps = ms_per_step(llm, prompt, args.tokens)
-        result[name] = {"ms_per_step": ms, "steps": steps,
+        result[name] = {"ms_per_step": ms, "ms_per_step_without_step_ahead": ms_alone, "steps": steps,
                         "target_graphs": graph_costs(llm.target.graphs._runners, args.device)}
+        result[name]["timeline"] = timeline(llm, prompt, args.tokens)
         if name == "spec":
             result[name]["draft_graphs"] = graph_costs(llm.draft.graphs._runners, args.device)
         result[name]["host_profile"] = host_profile(llm, prompt, args.tokens, args.top, args.sort)
+        if args.kernels and args.device == "cuda":
+            result[name]["kernels"] = kernel_table(llm, prompt, args.tokens, args.kernels)
     for name in ("plain", "spec"):
         r = result[name]
-        print(f"== {name}: {r['ms_per_step']:.3f} ms/step over {r['steps']} steps")
+        print(f"== {name}: {r['ms_per_step']:.3f} ms/step over {r['steps']} steps "
+              f"({r['ms_per_step_without_step_ahead']:.3f} without launching the next step ahead)")
+        print("   median per step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["timeline"].items()))
         for kind in ("target_graphs", "draft_graphs"):
             for key, c in r.get(kind, {}).items():
                 print(f"   {kind[:-7]} graph {key}: launch {c['host_us']:.1f} us host, {c['device_us']:.1f} us device")
         print(r["host_profile"])
+        if "kernels" in r:
+            print(r["kernels"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -23,6 +23,20 @@ class StepResult:
     num_drafted: list[int]
 
 
+@dataclass(frozen=True)
+class Launched:
+    """A step queued on the device whose accept counts the host has not read yet (finishing it is the one sync)."""
+
+    reqs: list[Request]
+    proposal: DraftProposal | None
+    n: list[int]  # drafts verified per request
+    feats: list[Tensor | None]  # per request: target features of its anchor and verified drafts
+    packed: Tensor  # [R, 2 + width] int64 on the device: accepted count, then the output tokens (-1 padded)
+    draft_ms: float
+    launched_at: float  # perf_counter once the draft was in hand
+    key: list[tuple] = ()  # launched ahead: per request what it assumed (see _ahead_key)
+
+
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A host list on the device without a stream sync (a copy from pageable memory would wait for the GPU)."""
     host = torch.tensor(values, dtype=dtype)
@@ -31,12 +45,14 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def sampling_tensors(reqs: list[Request], device: torch.device) -> dict[str, Tensor]:
-    """Per-request parameters and anchor positions [R], in two host-to-device copies."""
+def sampling_tensors(reqs: list[Request], device: torch.device,
+                     anchor_pos: list[int] | None = None) -> dict[str, Tensor]:
+    """Per-request parameters and anchor positions [R] (`anchor_pos` overrides the requests' own), in two
+    host-to-device copies."""
     p = [r.params for r in reqs]
     floats = to_device([[x.temperature for x in p], [x.top_p for x in p], [x.min_p for x in p]], torch.float32, device)
     ints = to_device([[x.top_k for x in p], [r.seed for r in reqs], [int(x.is_greedy) for x in p],
-                      [r.anchor_pos for r in reqs]], torch.int64, device)
+                      [r.anchor_pos for r in reqs] if anchor_pos is None else anchor_pos], torch.int64, device)
     return {"temperature": floats[0], "top_p": floats[1], "min_p": floats[2], "top_k": ints[0], "seeds": ints[1],
             "is_greedy": ints[2].bool(), "anchor_pos": ints[3]}
 
@@ -49,20 +65,19 @@ def verify_hints(reqs: list[Request]) -> dict:
 
 
 def num_to_verify(reqs: list[Request], proposal: DraftProposal | None, spec: SpeculativeConfig,
-                  max_drafts: int) -> list[int]:
+                  max_drafts: int, remaining: list[int] | None = None) -> list[int]:
     """Drafts verified per request; each cut depends only on what is known before that draft is drawn.
 
     Threshold: c_k depends on h_k and the previous draft only, so survival prod_{i<=k} c_i >= t decides on
     draft k without looking at it. Budget: the capacity comes from the previous step's survival (stale).
     Token cap: the step verifies at most dspark_max_verify_tokens drafts, the most likely to survive first.
     """
-    n = [max(0, min(r.num_speculative_tokens, max_drafts, r.remaining - 1)) for r in reqs]
-    thresholds = [spec.dspark_confidence_threshold if r.confidence_threshold is None else r.confidence_threshold
-                  for r in reqs]
+    n = wanted(reqs, max_drafts, remaining)
+    thresholds = _thresholds(reqs, spec)
     cap = spec.dspark_max_verify_tokens
     capped = 0 < cap < sum(n)
     has_conf = proposal is not None and proposal.confidence_logits is not None
-    if not has_conf or (spec.dspark_budget_frac <= 0 and not any(t > 0 for t in thresholds) and not capped):
+    if not has_conf or not reads_confidences(reqs, spec, n):
         return _cap_tokens(n, None, cap) if capped else n  # no device -> host read of the confidences
     survival = torch.sigmoid(proposal.confidence_logits).cumprod(-1).cpu()  # [R, N]
     if any(t > 0 for t in thresholds):
@@ -73,6 +88,23 @@ def num_to_verify(reqs: list[Request], proposal: DraftProposal | None, spec: Spe
     for r, s in zip(reqs, survival):
         r.last_survival = s
     return _cap_tokens(n, survival, cap) if 0 < cap < sum(n) else n
+
+
+def wanted(reqs: list[Request], max_drafts: int, remaining: list[int] | None = None) -> list[int]:
+    """Drafts each request can use: its own cap, the draft's block, and its remaining tokens minus the bonus."""
+    remaining = [r.remaining for r in reqs] if remaining is None else remaining
+    return [max(0, min(r.num_speculative_tokens, max_drafts, left - 1)) for r, left in zip(reqs, remaining)]
+
+
+def _thresholds(reqs: list[Request], spec: SpeculativeConfig) -> list[float]:
+    return [spec.dspark_confidence_threshold if r.confidence_threshold is None else r.confidence_threshold
+            for r in reqs]
+
+
+def reads_confidences(reqs: list[Request], spec: SpeculativeConfig, n: list[int]) -> bool:
+    """Whether num_to_verify reads this step's confidences to the host (a sync on the draft)."""
+    return spec.dspark_budget_frac > 0 or any(t > 0 for t in _thresholds(reqs, spec)) \
+        or 0 < spec.dspark_max_verify_tokens < sum(n)
 
 
 def _cap_tokens(n: list[int], survival: Tensor | None, cap: int) -> list[int]:
@@ -99,27 +131,49 @@ def _budget_capacity(reqs: list[Request], frac: float, max_drafts: int) -> list[
 
 @torch.inference_mode()
 def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], spec: SpeculativeConfig) -> StepResult:
-    """One verify step for every running request; plain decoding when `draft` is None or nothing is drafted."""
-    dev = target.device
-    hints = verify_hints(reqs)
+    """One verify step for every running request; plain decoding when `draft` is None or nothing is drafted.
+    Rows the previous step launched ahead are finished as they are; the other requests are launched now."""
     max_drafts = draft.num_speculative_tokens if draft is not None else 0
-    want = [max(0, min(r.num_speculative_tokens, max_drafts, r.remaining - 1)) for r in reqs]
+    ahead, rows = _take_ahead(target, reqs)
+    rest = [r for r in reqs if r not in rows]
+    done: dict[Request, tuple[list[int], int, int]] = {}
+    if ahead is not None:
+        done.update(_finish(ahead, sorted(rows.values()), max_drafts))
+    if rest:
+        fresh = _launch(target, draft, rest, spec)
+        done.update(_finish(fresh, range(len(rest)), max_drafts))
+    new_tokens = [done[r][0] for r in reqs]
+    if getattr(draft, "draft_ahead", False):
+        _draft_ahead(draft, reqs, new_tokens, max_drafts)
+    if getattr(target, "step_ahead", False):
+        _step_ahead(target, draft, reqs, new_tokens, spec, max_drafts)
+    return StepResult(new_tokens, [done[r][1] for r in reqs], [done[r][2] for r in reqs])
+
+
+def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], spec: SpeculativeConfig,
+            proposal: DraftProposal | None = None, anchors: list[int] | None = None,
+            anchor_pos: list[int] | None = None, remaining: list[int] | None = None) -> Launched:
+    """Draft (or take `proposal`, or the draft launched ahead), choose n, queue the verify and the accept; on the
+    static path nothing here waits for the device. anchors / anchor_pos / remaining override the requests' own
+    (the next step, launched before this one's tokens are appended)."""
+    dev = target.device
+    max_drafts = draft.num_speculative_tokens if draft is not None else 0
     t0 = time.perf_counter()
-    proposal = None
     with record_function("dspark.draft"):  # the regions bench/bench_pair.py --profile reports
-        if draft is not None and any(want):
-            proposal = _drafted_ahead(draft, reqs) or draft.propose(draft_input(reqs))
+        if proposal is None and draft is not None and any(wanted(reqs, max_drafts, remaining)):
+            proposal = _drafted_ahead(draft, reqs) or draft.propose(draft_input(reqs, anchors, anchor_pos))
     t1 = time.perf_counter()
-    n = num_to_verify(reqs, proposal, spec, max_drafts) if proposal is not None else [0] * len(reqs)
+    n = num_to_verify(reqs, proposal, spec, max_drafts, remaining) if proposal is not None else [0] * len(reqs)
     drafts = proposal.tokens.to(dev) if proposal is not None else None
     with record_function("dspark.verify"):
-        logits, feats = target.verify(reqs, drafts, n)
+        logits, feats = target.verify(reqs, drafts, n, anchors)
     if drafts is None:
         drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
     width = logits.shape[1] - 1
+    hints = verify_hints(reqs)
     with record_function("dspark.accept"):
         if hints["any_sampled"]:
-            params = sampling_tensors(reqs, dev)
+            params = sampling_tensors(reqs, dev, anchor_pos)
             positions = params["anchor_pos"][:, None] + 1 + torch.arange(width + 1, device=dev)  # [R, width + 1]
             dense = proposal.dense_probs(target.vocab_size) if proposal is not None else None
             q = dense[:, :width].to(dev) if dense is not None else None
@@ -128,18 +182,65 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
                                   params["seeds"], positions, **hints)
         else:  # every row greedy: no sampling parameters, no q
             result = verify_greedy(drafts[:, :width], to_device(n, torch.int64, dev), logits)
-        packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1).tolist()  # the step's host sync
-    accepted, out_tokens = [row[0] for row in packed], [row[1:] for row in packed]
-    t2 = time.perf_counter()
-    new_tokens = []
-    for r, a, k, f, toks in zip(reqs, accepted, n, feats, out_tokens):
-        _commit_cache(r, a, f)
-        _record(r, a, k, (t1 - t0) * 1e3, (t2 - t1) * 1e3, max_drafts)
-        r.stats.transfer_ms += proposal.transfer_ms if proposal is not None else 0.0
-        new_tokens.append(toks[:a + 1])
-    if getattr(draft, "draft_ahead", False):
-        _draft_ahead(draft, reqs, new_tokens, max_drafts)
-    return StepResult(new_tokens, accepted, n)
+        packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1)  # [R, 2 + width]
+    return Launched(reqs, proposal, n, feats, packed, (t1 - t0) * 1e3, t1)
+
+
+def _finish(launched: Launched, rows, max_drafts: int) -> dict[Request, tuple[list[int], int, int]]:
+    """Read the accept counts (the step's host sync) and commit `rows` of the launch: request -> (its new tokens,
+    accepted drafts, verified drafts)."""
+    with record_function("dspark.accept"):
+        packed = launched.packed.tolist()
+    t = time.perf_counter()
+    out = {}
+    for i in rows:
+        r, a, k = launched.reqs[i], packed[i][0], launched.n[i]
+        _commit_cache(r, a, launched.feats[i])
+        _record(r, a, k, launched.draft_ms, (t - launched.launched_at) * 1e3, max_drafts)
+        r.stats.transfer_ms += launched.proposal.transfer_ms if launched.proposal is not None else 0.0
+        out[r] = (packed[i][1:a + 2], a, k)
+    return out
+
+
+def _step_ahead(target: TargetSide, draft: DraftSide | None, reqs: list[Request], new_tokens: list[list[int]],
+                spec: SpeculativeConfig, max_drafts: int) -> None:
+    """Launch the next step's verify and accept now, from the tokens this step commits, so that the host's
+    bookkeeping of this step (emitting tokens, stop checks, the scheduler) overlaps the device. A request's row is
+    taken by the next step if it still decodes from the predicted state; otherwise (a stop, an abort, a
+    preemption) the row is dropped, and what it wrote to the caches lies past the committed length (scratch).
+    Not when choosing n needs this draft's confidences on the host, nor without the draft launched ahead."""
+    target.ahead = None
+    remaining = [r.remaining - len(t) for r, t in zip(reqs, new_tokens)]
+    if max(remaining) <= 0:
+        return
+    want = wanted(reqs, max_drafts, remaining)
+    pos = [r.num_tokens - 1 + len(t) for r, t in zip(reqs, new_tokens)]  # the next anchors' positions
+    pool = target.allocator  # the verify writes the anchor and up to want[i] drafts past num_computed
+    need = [max(0, pool.blocks_for(r.num_computed + 1 + k) - len(r.target_blocks)) for r, k in zip(reqs, want)]
+    if sum(need) > pool.num_free or (any(want) and reads_confidences(reqs, spec, want)):
+        return
+    proposal = None
+    if draft is not None and any(want):
+        proposal = _drafted_ahead(draft, reqs, pos)
+        if proposal is None:
+            return
+    for r, k in zip(reqs, need):
+        r.target_blocks.extend(pool.allocate_blocks(k) if k else [])
+    anchors = [t[-1] for t in new_tokens]
+    launched = _launch(target, draft, reqs, spec, proposal, anchors, pos, remaining)
+    target.ahead = replace(launched, key=[(p, r.num_computed, a) for r, p, a in zip(reqs, pos, anchors)])
+
+
+def _take_ahead(target: TargetSide, reqs: list[Request]) -> tuple[Launched | None, dict[Request, int]]:
+    """The step launched ahead and, for each request of `reqs` whose row it can stand for, that row."""
+    launched = getattr(target, "ahead", None)
+    target.ahead = None
+    if launched is None:
+        return None, {}
+    live = set(reqs)
+    rows = {r: i for i, (r, key) in enumerate(zip(launched.reqs, launched.key))
+            if r in live and key == (r.anchor_pos, r.num_computed, r.anchor)}
+    return (launched if rows else None), rows
 
 
 def _draft_ahead(draft: DraftSide, reqs: list[Request], new_tokens: list[list[int]], max_drafts: int) -> None:
@@ -162,15 +263,17 @@ def _draft_ahead(draft: DraftSide, reqs: list[Request], new_tokens: list[list[in
     draft.ahead = (key, draft.propose(draft_input(reqs, [t[-1] for t in new_tokens], pos)))
 
 
-def _drafted_ahead(draft: DraftSide, reqs: list[Request]) -> DraftProposal | None:
-    """The proposal drafted ahead at the end of the previous step, if it was drafted for exactly this batch."""
+def _drafted_ahead(draft: DraftSide, reqs: list[Request], anchor_pos: list[int] | None = None) -> DraftProposal | None:
+    """The proposal drafted ahead at the end of the previous step, if it was drafted for exactly this batch (at
+    `anchor_pos`, by default the requests' own)."""
     ahead = getattr(draft, "ahead", None)
     if ahead is None:
         return None
     draft.ahead = None
     key, proposal = ahead
-    if len(key) != len(reqs) or any(r is not k or r.anchor_pos != p or r.num_computed != c
-                                     for r, (k, p, c) in zip(reqs, key)):
+    pos = [r.anchor_pos for r in reqs] if anchor_pos is None else anchor_pos
+    if len(key) != len(reqs) or any(r is not k or p != kp or r.num_computed != c
+                                     for r, p, (k, kp, c) in zip(reqs, pos, key)):
         return None
     return proposal
 

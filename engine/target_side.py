@@ -24,6 +24,9 @@ class TargetSide:
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded tokens
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: TargetGraphs | None = None
+        # Launch the next step before the host's bookkeeping of this one (engine/spec_step.py, _step_ahead).
+        self.step_ahead = self.device.type == "cuda"
+        self.ahead = None  # the step launched ahead (spec_step.Launched)
 
     def use_static_shapes(self, query_lens: tuple[int, ...], max_model_len: int, capture: bool | None = None) -> None:
         """Decode/verify steps that fit a bucket run with static shapes (as CUDA graphs on CUDA)."""
@@ -35,15 +38,18 @@ class TargetSide:
         return self.model.config.vocab_size
 
     @torch.inference_mode()
-    def verify(self, reqs: list[Request], drafts: Tensor | None, n: list[int]) -> tuple[Tensor, list[Tensor | None]]:
-        """Each request's anchor plus its first n[b] drafts (drafts [R, N] int64 on the device, or None): run()'s
-        outputs. On the static path the drafts stay on the device; otherwise they are read to the host first."""
+    def verify(self, reqs: list[Request], drafts: Tensor | None, n: list[int],
+               anchors: list[int] | None = None) -> tuple[Tensor, list[Tensor | None]]:
+        """Each request's anchor (`anchors` overrides r.anchor) plus its first n[b] drafts (drafts [R, N] int64 on
+        the device, or None): run()'s outputs. On the static path the drafts stay on the device; otherwise they
+        are read to the host first."""
         starts, lens = [r.num_computed for r in reqs], [1 + k for k in n]
+        anchors = [r.anchor for r in reqs] if anchors is None else anchors
         shape = self.graphs.shape_for(starts, lens) if self.graphs is not None else None
         if shape is None or drafts is None:
             rows = drafts.tolist() if drafts is not None else [[] for _ in reqs]
-            return self.run(reqs, [[r.anchor] + d[:k] for r, d, k in zip(reqs, rows, n)], last_only=False)
-        return self._run_static(reqs, starts, [[r.anchor] + [0] * k for r, k in zip(reqs, n)], shape, drafts)
+            return self.run(reqs, [[a] + d[:k] for a, d, k in zip(anchors, rows, n)], last_only=False)
+        return self._run_static(reqs, starts, [[a] + [0] * k for a, k in zip(anchors, n)], shape, drafts)
 
     def _run_static(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], shape: tuple[int, int, int],
                     drafts: Tensor | None = None) -> tuple[Tensor, list[Tensor | None]]:

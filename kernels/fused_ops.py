@@ -55,16 +55,30 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, stride_x, s
 
 
 @triton.jit
-def _qk_norm_rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr,
-                           stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, inv_d, eps,
+def _qk_norm_rotary_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr,
+                           slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct,
+                           stride_st, stride_cs, inv_d, eps,
                            H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
                            X_BF16: tl.constexpr, NORM_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
-                           LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):
+                           LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr):
+    """Programs (t, h): h < H a q head, h < H + KV a k head, else (STORE only) a v head copied to the cache. With
+    STORE, k and v go to cache slot slot_ptr[t] (none when it is negative) instead of ko_ptr."""
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    ok = t >= 0
     if h < H:                                                          # a q head
         src = q_ptr + t * stride_qt + h * stride_qh
         dst = qo_ptr + (t * H + h) * D
         w_ptr = qw_ptr
+    elif STORE:                                                        # k or v, into cache slot slot_ptr[t]
+        slot = tl.load(slot_ptr + t)
+        ok = slot >= 0
+        if h < H + KV:
+            src = k_ptr + t * stride_kt + (h - H) * stride_kh
+            dst = kc_ptr + slot * stride_cs + (h - H) * D
+        else:                                                          # a v head: a copy
+            src = v_ptr + t * stride_vt + (h - H - KV) * stride_vh
+            dst = vc_ptr + slot * stride_cs + (h - H - KV) * D
+        w_ptr = kw_ptr
     else:                                                              # a k head
         src = k_ptr + t * stride_kt + (h - H) * stride_kh
         dst = ko_ptr + (t * KV + h - H) * D
@@ -73,20 +87,23 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, qo_pt
     mask = i < D // 2
     x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)                                      # [D/2]
     x2 = tl.load(src + D // 2 + i, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = _rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) * inv_d + eps, LIBDEVICE)
-        w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + D // 2 + i, mask=mask, other=0.0).to(tl.float32)
-        x1 = _round(w1 * _round(x1 * rstd, X_BF16), NORM_BF16)
-        x2 = _round(w2 * _round(x2 * rstd, X_BF16), NORM_BF16)
-    c1 = tl.load(cos_ptr + t * stride_ct + i, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + D // 2 + i, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + i, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + D // 2 + i, mask=mask, other=0.0).to(tl.float32)
-    o1 = _round(_round(x1 * c1, OUT_BF16) + _round(-x2 * s1, OUT_BF16), OUT_BF16)                 # x*cos + cat(-x2, x1)*sin
-    o2 = _round(_round(x2 * c2, OUT_BF16) + _round(x1 * s2, OUT_BF16), OUT_BF16)
-    tl.store(dst + i, o1.to(qo_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + D // 2 + i, o2.to(qo_ptr.dtype.element_ty), mask=mask)
+    if h < H + KV:
+        if HAS_NORM:
+            rstd = _rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) * inv_d + eps, LIBDEVICE)
+            w1 = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + D // 2 + i, mask=mask, other=0.0).to(tl.float32)
+            x1 = _round(w1 * _round(x1 * rstd, X_BF16), NORM_BF16)
+            x2 = _round(w2 * _round(x2 * rstd, X_BF16), NORM_BF16)
+        c1 = tl.load(cos_ptr + t * stride_ct + i, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * stride_ct + D // 2 + i, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * stride_st + i, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * stride_st + D // 2 + i, mask=mask, other=0.0).to(tl.float32)
+        o1 = _round(_round(x1 * c1, OUT_BF16) + _round(-x2 * s1, OUT_BF16), OUT_BF16)             # x*cos + cat(-x2, x1)*sin
+        o2 = _round(_round(x2 * c2, OUT_BF16) + _round(x1 * s2, OUT_BF16), OUT_BF16)
+    else:
+        o1, o2 = x1, x2
+    tl.store(dst + i, o1.to(qo_ptr.dtype.element_ty), mask=mask & ok)
+    tl.store(dst + D // 2 + i, o2.to(qo_ptr.dtype.element_ty), mask=mask & ok)
 
 
 @triton.jit
@@ -142,13 +159,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
 
 
 def qk_norm_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None, k_weight: Tensor | None,
-                   eps: float) -> tuple[Tensor, Tensor]:
+                   eps: float, cache: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+                   ) -> tuple[Tensor, Tensor | None]:
     """Optional per-head RMSNorm (Qwen3 q_norm / k_norm) then neox RoPE, in one launch over (T, H + KV) heads.
 
     q [T, H, D], k [T, KV, D]: any token and head strides, unit stride inside a head (views of a fused qkv output
     qkv[:, :H*D].view(T, H, D) work). cos, sin [T, 1, D] (unit last stride). q_weight, k_weight [D] or both None.
     Returns contiguous (q_out [T, H, D], k_out [T, KV, D]) equal to
     Rotary.apply(q_norm(q), cos, sin) and Rotary.apply(k_norm(k), cos, sin), in the dtype torch's promotion gives.
+    With cache = (v [T, KV, D], k_cache, v_cache [blocks, block_size, KV, D], slot_mapping [T]) the same launch
+    writes k_out and v into the caches instead (attention.store_kv; negative slots are skipped) and returns
+    (q_out, None).
     """
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"q, k must be [T, H, D], [T, KV, D], got {tuple(q.shape)}, {tuple(k.shape)}")
@@ -175,15 +196,29 @@ def qk_norm_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_weight: Ten
         q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     out_dtype = torch.promote_types(norm_dtype, cos.dtype)
     q_out = torch.empty(t, h, d, dtype=out_dtype, device=q.device)
-    k_out = torch.empty(t, kv, d, dtype=out_dtype, device=q.device)
+    store = cache is not None
+    if store:
+        v, k_cache, v_cache, slots = cache
+        if v.shape != k.shape or v.stride(2) != 1 or k_cache.dtype != out_dtype or v_cache.dtype != out_dtype \
+                or k_cache.shape != v_cache.shape or k_cache.shape[-2:] != (kv, d) or slots.shape != (t,):
+            raise ValueError("the cache write needs v like k, caches [blocks, block_size, KV, D] in the output "
+                             f"dtype {out_dtype} and one slot per token")
+        for c in (k_cache, v_cache):
+            if c.stride(3) != 1 or c.stride(2) != d or c.stride(0) != c.shape[1] * c.stride(1):
+                raise ValueError("the caches' (block, offset) dims must flatten to slots of contiguous heads")
+        k_out, grid_heads = None, h + 2 * kv
+    else:
+        v, k_cache, v_cache, slots = k, q_out, q_out, q_out                  # unused placeholders
+        k_out, grid_heads = torch.empty(t, kv, d, dtype=out_dtype, device=q.device), h + kv
     if t:
         block = triton.next_power_of_2(d // 2)
         qw, kw = (q_weight, k_weight) if has_norm else (cos, cos)            # unused placeholders without the norm
-        _qk_norm_rotary_kernel[(t, h + kv)](
-            q, k, cos, sin, qw, kw, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            cos.stride(0), sin.stride(0), 1.0 / d, eps, H=h, KV=kv, D=d, HAS_NORM=has_norm,
+        _qk_norm_rotary_kernel[(t, grid_heads)](
+            q, k, v, cos, sin, qw, kw, q_out, k_out if k_out is not None else q_out, k_cache, v_cache, slots,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+            sin.stride(0), k_cache.stride(1) if store else 0, 1.0 / d, eps, H=h, KV=kv, D=d, HAS_NORM=has_norm,
             X_BF16=q.dtype == torch.bfloat16, NORM_BF16=norm_dtype == torch.bfloat16,
-            OUT_BF16=out_dtype == torch.bfloat16, LIBDEVICE=q.is_cuda, BLOCK=block,
+            OUT_BF16=out_dtype == torch.bfloat16, LIBDEVICE=q.is_cuda, BLOCK=block, STORE=store,
             num_warps=1 if block <= 64 else 2, enable_fp_fusion=False)
     return q_out, k_out
 

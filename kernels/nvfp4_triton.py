@@ -105,7 +105,8 @@ def quantize(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         raise ValueError(f"quantize expects a float [N, K] weight with K % 16 == 0, got {w.dtype} {tuple(w.shape)}")
     w = w.contiguous()
     n, k = w.shape
-    scale_2 = (w.abs().amax().float() if w.numel() else w.new_zeros((), dtype=torch.float32)) / (6.0 * 448.0)
+    amax = w.abs().amax().float() if w.numel() else w.new_zeros((), dtype=torch.float32)
+    scale_2 = amax / amax.new_tensor(6.0 * 448.0)  # a device divisor: CUDA divides by a host scalar as x * (1/s)
     packed = torch.empty(n, k // 2, dtype=torch.uint8, device=w.device)
     scale = torch.empty(n, k // GROUP_SIZE, dtype=torch.uint8, device=w.device)
     if w.numel():

@@ -36,19 +36,17 @@ class AttentionConfig:
 
 def default_attention_config(num_reqs: int, num_kv_heads: int, group: int, head_dim: int, max_query_len: int,
                              max_seq_len: int, num_sms: int = 132) -> AttentionConfig:
-    """Row tile <= 64; split keys (powers of two up to 16, >= 8 key tiles each) while programs < SMs.
-
-    Registers bound the gathered K/V tiles (offline sm_90 compile, Triton 3.7.1): D = 128 spills with 64 keys and
-    4 warps, 32 keys and 8 warps take 179-202 registers; num_stages changes nothing (gathered loads are not
-    pipelined). Not yet timed on the H200."""
+    """Row tile <= 64, 32-key tiles, 4 warps; keys split in powers of two up to 16 (>= 1 tile each) while there
+    are at most 4 programs per SM. Measured on the H200 (`bench/bench_attention.py`, bench/RESULTS.md): at batch 1
+    splitting to 8-16 chunks beats 1-4 by 1.5-2.3x; D = 128 with 64 keys and 4 warps spills (offline sm_90
+    compile), 32 keys do not."""
     rows = max_query_len * group
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    block_n = 64 if head_dim <= 64 else 32
-    warps = 8 if head_dim >= 128 or block_m >= 64 else 4
+    block_n, warps = 32, 4
     programs = num_reqs * num_kv_heads * triton.cdiv(rows, block_m)
     tiles = triton.cdiv(max_seq_len, block_n)
     split = 1
-    while programs * split < num_sms and split < 16 and tiles >= 8 * split:
+    while split < 16 and 2 * split <= tiles and programs * 2 * split <= 4 * num_sms:
         split *= 2
     return AttentionConfig(block_m, block_n, split, num_warps=warps)
 

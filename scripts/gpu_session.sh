@@ -11,6 +11,7 @@
 #   p6        plain vs speculative tok/s with 1, 8, 32 and 64 requests at once (issue 8, P6)
 #   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
 #   fast      the Triton fast path's GPU tests, the shipped pair at batch 1 vs compiled generate, bench_gpu
+#   bench     random weights only (no staged target): engine and NVFP4 GPU tests, bench_step, bench_nvfp4, bench_gpu
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -78,5 +79,13 @@ prof)  # engine GPU tests, then the pair at batch 1 with the step profile and Ch
     timeout 150 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 0 \
         --max-tokens 256 --speed-prompts 4 --profile --trace "$OUT/trace" --json "$OUT/bench_pair.json" 2>&1 \
         | tee "$OUT/bench_pair.log" | grep -v Warn | tail -40 ;;
+bench)  # random weights only: engine + NVFP4 GPU tests, the step's ms (bench_step), NVFP4 defaults, bench_gpu
+    timeout 150 python3 -P -m pytest -q tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py \
+        tests/gpu/test_nvfp4_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+    timeout 90 python3 bench/bench_step.py --json "$OUT/bench_step.json" 2>&1 | grep -v Warn > "$OUT/bench_step.log"
+    grep -A6 "==" "$OUT/bench_step.log"
+    timeout 150 python3 bench/bench_nvfp4.py --out "$OUT/bench_nvfp4.json" 2>&1 | tee "$OUT/bench_nvfp4.log" | tail -45
+    timeout 120 python3 bench/bench_gpu.py --models 0.6b 8b --batch 1 8 64 --topk 64 --iters 10 \
+        --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" | tail -22 ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -19,7 +19,7 @@ else:
     from dspark_serve.kernels.fused_ops import qk_norm_rotary, rms_norm, silu_mul
     from dspark_serve.models.layers import RMSNorm, Rotary
 
-    from fused_checks import EPS, bf16_ulps, check_qk_norm_rotary, seeded_norm
+    from fused_checks import EPS, bf16_ulps, check_cache_write, check_qk_norm_rotary, seeded_norm
 
     BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -64,6 +64,12 @@ else:
             q, k = (2 * torch.randn(t, h, d, generator=g)).to(dtype), (2 * torch.randn(t, kv, d, generator=g)).to(dtype)
         cos, sin = Rotary(d, 1e6).cos_sin(torch.tensor([0, 1, 17, 300, 4095]), dtype)
         check_qk_norm_rotary(q, k, cos, sin, qk_norm, _match)
+
+    @pytest.mark.parametrize("h,kv,d", [(14, 2, 64), (4, 2, 128)])
+    @pytest.mark.parametrize("qk_norm", [True, False])
+    @pytest.mark.parametrize("dtype", [FP32, BF16])
+    def test_qk_norm_rotary_writes_the_cache(h, kv, d, qk_norm, dtype):
+        check_cache_write(h, kv, d, qk_norm, dtype)
 
     def test_qk_norm_rotary_fp32_weights_promote():
         t, h, kv, d = 2, 4, 2, 64

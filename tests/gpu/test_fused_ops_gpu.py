@@ -11,7 +11,7 @@ if torch.cuda.is_available():
     from dspark_serve.kernels.fused_ops import qk_norm_rotary, rms_norm, silu_mul
     from dspark_serve.models.layers import RMSNorm, Rotary
 
-from fused_checks import EPS, bf16_ulps, check_qk_norm_rotary, seeded_norm
+from fused_checks import EPS, bf16_ulps, check_cache_write, check_qk_norm_rotary, seeded_norm
 
 DEV, BF16, FP32 = "cuda", torch.bfloat16, torch.float32
 
@@ -55,6 +55,13 @@ def test_qk_norm_rotary_gpu(h, kv, d, qk_norm, dtype):
     q, k = qkv[:, :h * d].view(t, h, d), qkv[:, h * d:(h + kv) * d].view(t, kv, d)
     cos, sin = Rotary(d, 1e6).to(DEV).cos_sin(torch.randint(0, 32768, (t,), device=DEV), dtype)
     check_qk_norm_rotary(q, k, cos, sin, qk_norm, _match)
+
+
+@pytest.mark.parametrize("h,kv,d", [(14, 2, 64), (32, 8, 128)])
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_qk_norm_rotary_writes_the_cache_gpu(h, kv, d, qk_norm, dtype):
+    check_cache_write(h, kv, d, qk_norm, dtype, DEV)
 
 
 @pytest.mark.parametrize("t,inter", [(1, 4864), (16, 11008), (300, 3072)])

@@ -1,0 +1,117 @@
+"""Launching the next step ahead (its verify and accept queued before the host's bookkeeping of this one)
+changes no output: greedy and seeded sampling, continuous batching with admissions, stop tokens, length limits,
+aborts and plain decoding; it frees every block; it is really used, and skipped when n needs the confidences."""
+
+import pytest
+import torch
+from engine_pairs import build_pair
+
+from dspark_serve.engine import spec_step as spec_step_module
+from dspark_serve.engine.llm import LLM
+from dspark_serve.engine.sampling_params import SamplingParams
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 255, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (count,), generator=g)]
+
+
+def _params(count: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0 if i % 2 else 0.9, max_tokens=12 + 3 * i, seed=i,
+                           stop_token_ids=(7,) if i % 3 == 0 else ()) for i in range(count)]
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """Per spec_step call: how many of its requests took a row launched ahead."""
+    counts: list[tuple[int, int, int]] = []  # (rows taken, requests, rows launched ahead)
+    take = spec_step_module._take_ahead
+
+    def counting(target, reqs):
+        launched, rows = take(target, reqs)
+        counts.append((len(rows), len(reqs), len(launched.reqs) if launched is not None else 0))
+        return launched, rows
+    monkeypatch.setattr(spec_step_module, "_take_ahead", counting)
+    return counts
+
+
+def _llm(target, draft, spec, static, ahead):
+    llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
+              enforce_eager=not static)
+    llm.target.step_ahead = ahead
+    if llm.draft is not None:
+        llm.draft.draft_ahead = ahead
+    return llm
+
+
+def _same(a, b):
+    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    assert a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
+
+
+@pytest.mark.parametrize("spec", [{}, {"dspark_draft_topk": 8}])
+@pytest.mark.parametrize("static", [False, True])
+def test_step_ahead_changes_no_output(spec, static, taken):
+    target, draft = build_pair(seed=11, agree=0.005, block_size=5)
+    prompts, params = _prompts(3, 14), _params(14)
+    outs = {}
+    for ahead in (False, True):
+        llm = _llm(target, draft, spec, static, ahead)
+        taken.clear()
+        outs[ahead] = llm.generate(prompts, params)  # 14 prompts through 4 slots: admissions between steps
+        assert llm.target.allocator.num_free == 256 and llm.draft.allocator.num_free == 256
+    for a, b in zip(outs[False], outs[True]):
+        _same(a, b)
+    rows = sum(t[0] for t in taken)
+    total = sum(t[1] for t in taken)
+    assert rows > total // 2, (rows, total)  # most rows came from the step launched ahead
+    assert any(0 < k < n for k, n, _ in taken)  # a batch that changed kept the rows it could (and launched the rest)
+
+
+def test_plain_decoding_ahead(taken):
+    target, _ = build_pair(seed=5, agree=0.005, block_size=5)
+    prompts, params = _prompts(4, 9), _params(9)
+    outs = {}
+    for ahead in (False, True):
+        llm = _llm(target, None, None, True, ahead)
+        taken.clear()
+        outs[ahead] = llm.generate(prompts, params)
+        assert llm.target.allocator.num_free == 256
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    assert sum(t[0] for t in taken) > sum(t[1] for t in taken) // 2
+
+
+def test_abort_between_steps(taken):
+    target, draft = build_pair(seed=11, agree=0.005, block_size=5)
+    prompts = _prompts(6, 3)
+    finals = {}
+    for ahead in (False, True):
+        llm = _llm(target, draft, {}, True, ahead)
+        ids = [llm.add_request(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for p in prompts]
+        for _ in range(3):
+            llm.step()
+        aborted = llm.abort(ids[1])
+        assert aborted is not None and aborted.finish_reason == "abort"
+        out = {}
+        while llm.has_unfinished():
+            out.update({o.request_id: o for o in llm.step() if o.finished})
+        finals[ahead] = [out[ids[0]], out[ids[2]]]
+        assert llm.target.allocator.num_free == 256 and llm.draft.allocator.num_free == 256
+    for a, b in zip(finals[False], finals[True]):
+        _same(a, b)
+    assert any(k == n < launched for k, n, launched in taken)  # the aborted request's row was dropped
+
+
+def test_not_ahead_when_n_reads_confidences(taken):
+    """With the confidence budget, n depends on this step's confidences: nothing is launched ahead."""
+    target, draft = build_pair(seed=11, agree=0.005, block_size=5)
+    prompts, params = _prompts(3, 6), _params(6)
+    outs = {}
+    for ahead in (False, True):
+        llm = _llm(target, draft, {"dspark_budget_frac": 0.5}, True, ahead)
+        taken.clear()
+        outs[ahead] = llm.generate(prompts, params)
+    for a, b in zip(outs[False], outs[True]):
+        _same(a, b)
+    assert taken and all(t[0] == 0 for t in taken)
