@@ -90,26 +90,16 @@ class TargetGraphs:
         """-> logits [R, q, V] fp32 (rows past len(tokens[r]) are padding; valid until the next run) and
         features [R, q, F] (an owned copy). With `drafts` [R, N] on the device, tokens[r][1:] are placeholders
         and the drafts are copied in on the device, so they never visit the host."""
-        return self.prepare(block_tables, starts, tokens, shape)(drafts)
-
-    @torch.inference_mode()
-    def prepare(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]],
-                shape: tuple[int, int, int]) -> Callable[[Tensor | None], tuple[Tensor, Tensor | None]]:
-        """run() in two halves: the step's metadata is laid out and uploaded now; the returned launch(drafts)
-        copies the drafts in and replays, so another graph can go first without host work in between."""
         q, b, c = shape
         self.staging.upload(self._layout(block_tables, starts, tokens, q, b, c))
+        if drafts is not None and q > 1:
+            k = min(q - 1, drafts.shape[1])
+            self.dev[:b * q].view(b, q)[:len(tokens), 1:1 + k].copy_(drafts[:, :k])
         if shape not in self._runners:
             self._runners[shape] = self._build(q, b, c)
-        runner, r = self._runners[shape], len(tokens)
-
-        def launch(drafts: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-            if drafts is not None and q > 1:
-                k = min(q - 1, drafts.shape[1])
-                self.dev[:b * q].view(b, q)[:r, 1:1 + k].copy_(drafts[:, :k])
-            logits, feats = runner()
-            return logits.view(b, q, -1)[:r], feats.view(b, q, -1)[:r].clone() if feats is not None else None
-        return launch
+        logits, feats = self._runners[shape]()
+        r = len(tokens)
+        return logits.view(b, q, -1)[:r], feats.view(b, q, -1)[:r].clone() if feats is not None else None
 
     def _layout(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]], q: int, b: int,
                 c: int) -> list[int]:

@@ -61,13 +61,6 @@ class DraftGraphs:
         """The proposal for len(anchors) requests; its tensors are valid until the next propose. `features`
         [sum(lens), F] are the new context rows of (block tables, starts, lens) in `context`
         (fits_context(sum(lens), shape) must hold)."""
-        return self.prepare(anchors, anchor_pos, tables, temperature, seeds, need_q, shape, features, context)()
-
-    @torch.inference_mode()
-    def prepare(self, anchors: list[int], anchor_pos: list[int], tables: list[list[int]], temperature: Tensor,
-                seeds: list[int], need_q: bool, shape: tuple[int, int], features: Tensor | None = None,
-                context: tuple[list[list[int]], list[int], list[int]] = ([], [], [])) -> Callable[[], "DraftProposal"]:
-        """propose() in two halves: inputs uploaded now, the graph replayed by the returned function."""
         b, c = shape
         if features is not None:
             self.feats[:features.shape[0]].copy_(features, non_blocking=True)
@@ -77,13 +70,9 @@ class DraftGraphs:
         key = (b, c, need_q)
         if key not in self._runners:
             self._runners[key] = self._build(b, c, need_q)
-        runner, r = self._runners[key], len(anchors)
-
-        def launch() -> "DraftProposal":
-            out = runner()
-            return replace(out, **{f.name: getattr(out, f.name)[:r] for f in fields(out)
-                                   if isinstance(getattr(out, f.name), Tensor)})
-        return launch
+        out, r = self._runners[key](), len(anchors)
+        return replace(out, **{f.name: getattr(out, f.name)[:r] for f in fields(out)
+                               if isinstance(getattr(out, f.name), Tensor)})
 
     def _layout(self, anchors: list[int], anchor_pos: list[int], tables: list[list[int]], seeds: list[int], b: int,
                 c: int, context: tuple[list[list[int]], list[int], list[int]] = ([], [], [])) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -115,12 +114,6 @@ class DraftSide:
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> DraftProposal:
         """Write the new context K/V, run the block, walk the Markov head; rows with temperature 0 draft by argmax."""
-        return self.prepare(inp)()
-
-    @torch.inference_mode()
-    def prepare(self, inp: DraftInput) -> Callable[[], DraftProposal]:
-        """propose() whose last device launch (the static path's graph replay) waits for the returned function;
-        the other paths compute now."""
         m, cfg, n, dev = self.model, self.model.config, self.num_speculative_tokens, self.device
         tables = inp.block_table.tolist()
         starts, lens = inp.ctx_start.tolist(), inp.ctx_len.tolist()
@@ -134,7 +127,7 @@ class DraftSide:
             self._write_context(inp.features, *context)
             context = ([], [], [])
         if shape is not None:  # the context write (when it fits the bucket), block pass and walk in one graph
-            return self.graphs.prepare(inp.anchors.tolist(), anchor_pos, tables, inp.temperature.cpu(),
+            return self.graphs.propose(inp.anchors.tolist(), anchor_pos, tables, inp.temperature.cpu(),
                                        inp.seeds.tolist(), need_q, shape, inp.features if context[0] else None,
                                        context)
         ids = torch.full((num_reqs, q_len), cfg.mask_token_id, dtype=torch.int64, device=dev)
@@ -145,9 +138,8 @@ class DraftSide:
         first = 0 if cfg.anchor_first else 1
         hidden = hidden[:, first:first + n]  # [R, N, H]: row k drafts position anchor_pos + 1 + k
         base = m.base_logits(hidden)  # [R, N, V_draft]
-        out = self._markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
-                                inp.anchor_pos.to(dev), need_q)
-        return lambda: out
+        return self._markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
+                                 inp.anchor_pos.to(dev), need_q)
 
     def _write_context(self, features: Tensor, tables: list[list[int]], starts: list[int], lens: list[int]) -> None:
         """Eagerly: context K/V of lens[i] new rows at positions starts[i].. (features [sum(lens), F])."""

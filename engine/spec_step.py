@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -144,37 +143,30 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
         fresh = _launch(target, draft, rest, spec)
         done.update(_finish(fresh, range(len(rest)), max_drafts))
     new_tokens = [done[r][0] for r in reqs]
-    drafted = _draft_ahead(draft, reqs, new_tokens, max_drafts) if getattr(draft, "draft_ahead", False) else None
-    if not (getattr(target, "step_ahead", False)
-            and _step_ahead(target, draft, reqs, new_tokens, spec, max_drafts, drafted)) and drafted is not None:
-        key, launch = drafted
-        draft.ahead = (key, launch())  # for the next step's _launch
+    if getattr(draft, "draft_ahead", False):
+        _draft_ahead(draft, reqs, new_tokens, max_drafts)
+    if getattr(target, "step_ahead", False):
+        _step_ahead(target, draft, reqs, new_tokens, spec, max_drafts)
     return StepResult(new_tokens, [done[r][1] for r in reqs], [done[r][2] for r in reqs])
 
 
 def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], spec: SpeculativeConfig,
-            prepared: Callable[[], DraftProposal] | None = None, anchors: list[int] | None = None,
+            proposal: DraftProposal | None = None, anchors: list[int] | None = None,
             anchor_pos: list[int] | None = None, remaining: list[int] | None = None) -> Launched:
-    """Draft (or take the draft launched ahead), choose n, queue the verify and the accept; on the static path
-    nothing here waits for the device. With `prepared` (a draft whose graph is ready to replay; n must not need
-    its confidences) both graphs' host work comes first and they launch back to back. anchors / anchor_pos /
-    remaining override the requests' own (the next step, launched before this one's tokens are appended)."""
+    """Draft (or take `proposal`, or the draft launched ahead), choose n, queue the verify and the accept; on the
+    static path nothing here waits for the device. anchors / anchor_pos / remaining override the requests' own
+    (the next step, launched before this one's tokens are appended)."""
     dev = target.device
     max_drafts = draft.num_speculative_tokens if draft is not None else 0
     t0 = time.perf_counter()
-    proposal, drafting = None, prepared is not None
     with record_function("dspark.draft"):  # the regions bench/bench_pair.py --profile reports
-        if not drafting and draft is not None and any(wanted(reqs, max_drafts, remaining)):
+        if proposal is None and draft is not None and any(wanted(reqs, max_drafts, remaining)):
             proposal = _drafted_ahead(draft, reqs) or draft.propose(draft_input(reqs, anchors, anchor_pos))
-            drafting = True
-    n = num_to_verify(reqs, proposal, spec, max_drafts, remaining) if drafting else [0] * len(reqs)
+    t1 = time.perf_counter()
+    n = num_to_verify(reqs, proposal, spec, max_drafts, remaining) if proposal is not None else [0] * len(reqs)
+    drafts = proposal.tokens.to(dev) if proposal is not None else None
     with record_function("dspark.verify"):
-        verify = target.prepare_verify(reqs, n, anchors)
-        if prepared is not None:
-            proposal = prepared()
-        t1 = time.perf_counter()
-        drafts = proposal.tokens.to(dev) if proposal is not None else None
-        logits, feats = verify(drafts)
+        logits, feats = target.verify(reqs, drafts, n, anchors)
     if drafts is None:
         drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
     width = logits.shape[1] - 1
@@ -211,31 +203,32 @@ def _finish(launched: Launched, rows, max_drafts: int) -> dict[Request, tuple[li
 
 
 def _step_ahead(target: TargetSide, draft: DraftSide | None, reqs: list[Request], new_tokens: list[list[int]],
-                spec: SpeculativeConfig, max_drafts: int, drafted: tuple[list, Callable[[], DraftProposal]] | None
-                ) -> bool:
+                spec: SpeculativeConfig, max_drafts: int) -> None:
     """Launch the next step's verify and accept now, from the tokens this step commits, so that the host's
     bookkeeping of this step (emitting tokens, stop checks, the scheduler) overlaps the device. A request's row is
     taken by the next step if it still decodes from the predicted state; otherwise (a stop, an abort, a
     preemption) the row is dropped, and what it wrote to the caches lies past the committed length (scratch).
-    Not when choosing n needs this draft's confidences on the host, nor without the next draft (`drafted`,
-    prepared by _draft_ahead for this batch). Returns whether it launched (the draft included)."""
+    Not when choosing n needs this draft's confidences on the host, nor without the draft launched ahead."""
     target.ahead = None
     remaining = [r.remaining - len(t) for r, t in zip(reqs, new_tokens)]
     if max(remaining) <= 0:
-        return False
+        return
     want = wanted(reqs, max_drafts, remaining)
     pos = [r.num_tokens - 1 + len(t) for r, t in zip(reqs, new_tokens)]  # the next anchors' positions
     pool = target.allocator  # the verify writes the anchor and up to want[i] drafts past num_computed
     need = [max(0, pool.blocks_for(r.num_computed + 1 + k) - len(r.target_blocks)) for r, k in zip(reqs, want)]
-    drafts = draft is not None and any(want)
-    if sum(need) > pool.num_free or (drafts and (drafted is None or reads_confidences(reqs, spec, want))):
-        return False
+    if sum(need) > pool.num_free or (any(want) and reads_confidences(reqs, spec, want)):
+        return
+    proposal = None
+    if draft is not None and any(want):
+        proposal = _drafted_ahead(draft, reqs, pos)
+        if proposal is None:
+            return
     for r, k in zip(reqs, need):
         r.target_blocks.extend(pool.allocate_blocks(k) if k else [])
     anchors = [t[-1] for t in new_tokens]
-    launched = _launch(target, draft, reqs, spec, drafted[1] if drafts else None, anchors, pos, remaining)
+    launched = _launch(target, draft, reqs, spec, proposal, anchors, pos, remaining)
     target.ahead = replace(launched, key=[(p, r.num_computed, a) for r, p, a in zip(reqs, pos, anchors)])
-    return True
 
 
 def _take_ahead(target: TargetSide, reqs: list[Request]) -> tuple[Launched | None, dict[Request, int]]:
@@ -250,37 +243,37 @@ def _take_ahead(target: TargetSide, reqs: list[Request]) -> tuple[Launched | Non
     return (launched if rows else None), rows
 
 
-def _draft_ahead(draft: DraftSide, reqs: list[Request], new_tokens: list[list[int]], max_drafts: int
-                 ) -> tuple[list, Callable[[], DraftProposal]] | None:
-    """The next step's draft from the tokens this step commits (the caller appends them later), prepared: (its
-    key, launch). Launched at once, or together with the next verify (_step_ahead). It is used only if the next
-    step's batch is these requests at the predicted positions (a stop, an abort, a preemption or an admission in
-    between changes it; then the next step drafts afresh, and what this draft wrote to the draft cache is valid
-    context or scratch)."""
+def _draft_ahead(draft: DraftSide, reqs: list[Request], new_tokens: list[list[int]], max_drafts: int) -> None:
+    """Launch the next step's draft now, from the tokens this step commits (the caller appends them later). It is
+    used only if the next step's batch is these requests at the predicted positions (a stop, an abort, a
+    preemption or an admission in between changes it; then the next step drafts afresh, and what this draft
+    wrote to the draft cache is valid context or scratch)."""
     draft.ahead = None
     pos = [r.num_tokens - 1 + len(t) for r, t in zip(reqs, new_tokens)]  # the next anchors' positions
     if not any(min(r.num_speculative_tokens, max_drafts, r.remaining - len(t) - 1) > 0
                for r, t in zip(reqs, new_tokens)):
-        return None
+        return
     pool = draft.allocator  # the next query block may need draft cache blocks the scheduler grows later
     need = [max(0, pool.blocks_for(p + draft.query_len) - len(r.draft_blocks)) for r, p in zip(reqs, pos)]
     if sum(need) > pool.num_free:
-        return None
+        return
     for r, k in zip(reqs, need):
         r.draft_blocks.extend(pool.allocate_blocks(k) if k else [])
     key = [(r, p, r.num_computed) for r, p in zip(reqs, pos)]
-    return key, draft.prepare(draft_input(reqs, [t[-1] for t in new_tokens], pos))
+    draft.ahead = (key, draft.propose(draft_input(reqs, [t[-1] for t in new_tokens], pos)))
 
 
-def _drafted_ahead(draft: DraftSide, reqs: list[Request]) -> DraftProposal | None:
-    """The proposal drafted ahead at the end of the previous step, if it was drafted for exactly this batch."""
+def _drafted_ahead(draft: DraftSide, reqs: list[Request], anchor_pos: list[int] | None = None) -> DraftProposal | None:
+    """The proposal drafted ahead at the end of the previous step, if it was drafted for exactly this batch (at
+    `anchor_pos`, by default the requests' own)."""
     ahead = getattr(draft, "ahead", None)
     if ahead is None:
         return None
     draft.ahead = None
     key, proposal = ahead
-    if len(key) != len(reqs) or any(r is not k or r.anchor_pos != p or r.num_computed != c
-                                     for r, (k, p, c) in zip(reqs, key)):
+    pos = [r.anchor_pos for r in reqs] if anchor_pos is None else anchor_pos
+    if len(key) != len(reqs) or any(r is not k or p != kp or r.num_computed != c
+                                     for r, p, (k, kp, c) in zip(reqs, pos, key)):
         return None
     return proposal
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import Tensor
 
@@ -45,34 +43,20 @@ class TargetSide:
         """Each request's anchor (`anchors` overrides r.anchor) plus its first n[b] drafts (drafts [R, N] int64 on
         the device, or None): run()'s outputs. On the static path the drafts stay on the device; otherwise they
         are read to the host first."""
-        return self.prepare_verify(reqs, n, anchors)(drafts)
-
-    @torch.inference_mode()
-    def prepare_verify(self, reqs: list[Request], n: list[int], anchors: list[int] | None = None
-                       ) -> Callable[[Tensor | None], tuple[Tensor, list[Tensor | None]]]:
-        """verify() in two halves: the host work now, the device work when the returned function gets the drafts
-        (on the static path: copy them in and replay)."""
         starts, lens = [r.num_computed for r in reqs], [1 + k for k in n]
         anchors = [r.anchor for r in reqs] if anchors is None else anchors
         shape = self.graphs.shape_for(starts, lens) if self.graphs is not None else None
-        if shape is None:
-            def eager(drafts: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
-                rows = drafts.tolist() if drafts is not None else [[] for _ in reqs]
-                return self.run(reqs, [[a] + d[:k] for a, d, k in zip(anchors, rows, n)], last_only=False)
-            return eager
-        return self._prepare_static(reqs, starts, [[a] + [0] * k for a, k in zip(anchors, n)], shape)
+        if shape is None or drafts is None:
+            rows = drafts.tolist() if drafts is not None else [[] for _ in reqs]
+            return self.run(reqs, [[a] + d[:k] for a, d, k in zip(anchors, rows, n)], last_only=False)
+        return self._run_static(reqs, starts, [[a] + [0] * k for a, k in zip(anchors, n)], shape, drafts)
 
-    def _prepare_static(self, reqs: list[Request], starts: list[int], tokens: list[list[int]],
-                        shape: tuple[int, int, int]) -> Callable[[Tensor | None], tuple[Tensor, list[Tensor | None]]]:
-        """run()'s outputs from the bucket's graph, launched by the returned function (drafts: TargetGraphs.run)."""
+    def _run_static(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], shape: tuple[int, int, int],
+                    drafts: Tensor | None = None) -> tuple[Tensor, list[Tensor | None]]:
+        """run()'s outputs from the bucket's graph (drafts: see TargetGraphs.run)."""
         lens = [len(t) for t in tokens]
-        launch = self.graphs.prepare([r.target_blocks for r in reqs], starts, tokens, shape)
-
-        def run(drafts: Tensor | None = None) -> tuple[Tensor, list[Tensor | None]]:
-            logits, feats = launch(drafts)
-            return logits[:, :max(lens)], [f[:k] for f, k in zip(feats, lens)] if feats is not None \
-                else [None] * len(reqs)
-        return run
+        logits, feats = self.graphs.run([r.target_blocks for r in reqs], starts, tokens, shape, drafts=drafts)
+        return logits[:, :max(lens)], [f[:k] for f, k in zip(feats, lens)] if feats is not None else [None] * len(reqs)
 
     @torch.inference_mode()
     def run(self, reqs: list[Request], tokens: list[list[int]], last_only: bool) -> tuple[Tensor, list[Tensor | None]]:
@@ -87,7 +71,7 @@ class TargetSide:
         lens = [len(t) for t in tokens]
         shape = self.graphs.shape_for(starts, lens) if self.graphs is not None and not last_only else None
         if shape is not None:
-            return self._prepare_static(reqs, starts, tokens, shape)()
+            return self._run_static(reqs, starts, tokens, shape)
         meta = batch_metadata([r.target_blocks for r in reqs], starts, lens, self.block_size, self.device)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
         hidden, feats = self.model(ids, positions_of(starts, lens, self.device), meta, self.cache,
