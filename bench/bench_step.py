@@ -81,8 +81,9 @@ def graph_costs(runners: dict, device: str, iters: int = 50) -> dict[str, dict[s
 
 
 def timeline(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float]:
-    """Medians per step, µs: waiting for the step's accepted counts (the sync), then host time from that sync to
-    the next graph launch (the device idles unless work was queued ahead), and the step's wall time."""
+    """Medians per step, µs: waiting for the step's accepted counts (the sync), host time from that sync to the
+    next graph launch (the device idles unless work was queued ahead), from that launch to the next (the verify
+    after the draft), and the step's wall time."""
     from dspark_serve.engine import spec_step as ss
     finish, replay = ss._finish, torch.cuda.CUDAGraph.replay if torch.cuda.is_available() else None
     marks: list[tuple[str, float]] = []
@@ -106,7 +107,8 @@ def timeline(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float]:
         ss._finish = finish
         if replay is not None:
             torch.cuda.CUDAGraph.replay = replay
-    waits, gaps, walls, last_synced, last_sync = [], [], [], None, None
+    waits, gaps, between, walls = [], [], [], []
+    last_sync = synced = first = None
     for kind, t in marks:
         if kind == "sync":
             if last_sync is not None:
@@ -114,12 +116,17 @@ def timeline(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float]:
             last_sync = t
         elif kind == "synced":
             waits.append(t - last_sync)
-            last_synced = t
-        elif kind == "replay" and last_synced is not None:
-            gaps.append(t - last_synced)
-            last_synced = None
+            synced, first = t, None
+        elif kind == "replay" and synced is not None:
+            if first is None:
+                gaps.append(t - synced)
+                first = t
+            else:  # the second launch after a sync: the verify after the draft
+                between.append(t - first)
+                synced = None
     med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6 if xs else float("nan")  # noqa: E731
-    return {"sync_wait_us": med(waits), "sync_to_launch_us": med(gaps), "step_us": med(walls)}
+    return {"sync_wait_us": med(waits), "sync_to_launch_us": med(gaps), "launch_to_launch_us": med(between),
+            "step_us": med(walls)}
 
 
 def kernel_table(llm: LLM, prompt: list[int], tokens: int, top: int) -> str:
