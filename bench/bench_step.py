@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -41,17 +42,30 @@ def random_target(device: str, dtype: torch.dtype) -> QwenForCausalLM:
     return model
 
 
-def ms_per_step(llm: LLM, prompt: list[int], tokens: int) -> tuple[float, int]:
+def ms_per_step(llm: LLM, prompt: list[int], tokens: int, pauses: list[float] | None = None) -> tuple[float, int]:
+    """Mean ms per step of one generation after a warm-up; `pauses` collects the garbage collector's pauses (s)."""
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate([prompt], params)  # warm-up: captures every bucket the timed run meets
     if llm.target.device.type == "cuda":
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = llm.generate([prompt], params)[0]
-    if llm.target.device.type == "cuda":
-        torch.cuda.synchronize()
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif pauses is not None and started:
+            pauses.append(time.perf_counter() - started.pop())
+    gc.callbacks.append(on_gc)
+    try:
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], params)[0]
+        if llm.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(on_gc)
     steps = out.stats["steps"]
-    return (time.perf_counter() - t0) * 1e3 / steps, steps
+    return elapsed * 1e3 / steps, steps
 
 
 @torch.inference_mode()
@@ -124,9 +138,10 @@ def timeline(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float]:
             else:  # the second launch after a sync: the verify after the draft
                 between.append(t - first)
                 synced = None
-    med = lambda xs: sorted(xs)[len(xs) // 2] * 1e6 if xs else float("nan")  # noqa: E731
+    med = lambda xs, f=0.5: sorted(xs)[int(f * (len(xs) - 1))] * 1e6 if xs else float("nan")  # noqa: E731
     return {"sync_wait_us": med(waits), "sync_to_launch_us": med(gaps), "launch_to_launch_us": med(between),
-            "step_us": med(walls)}
+            "step_us": med(walls), "step_p90_us": med(walls, 0.9), "step_max_us": med(walls, 1.0),
+            "step_mean_us": sum(walls) / max(1, len(walls)) * 1e6}
 
 
 def kernel_table(llm: LLM, prompt: list[int], tokens: int, top: int) -> str:
@@ -183,8 +198,10 @@ def main(argv: list[str] | None = None) -> dict:
         llm.target.step_ahead = False  # the same run without launching the next step ahead, for the ratio
         ms_alone, _ = ms_per_step(llm, prompt, args.tokens)
         llm.target.step_ahead = args.device == "cuda"
-        ms, steps = ms_per_step(llm, prompt, args.tokens)
+        pauses: list[float] = []
+        ms, steps = ms_per_step(llm, prompt, args.tokens, pauses)
         result[name] = {"ms_per_step": ms, "ms_per_step_without_step_ahead": ms_alone, "steps": steps,
+                        "gc_pauses": len(pauses), "gc_ms": 1e3 * sum(pauses),
                         "target_graphs": graph_costs(llm.target.graphs._runners, args.device)}
         result[name]["timeline"] = timeline(llm, prompt, args.tokens)
         if name == "spec":
@@ -196,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
         r = result[name]
         print(f"== {name}: {r['ms_per_step']:.3f} ms/step over {r['steps']} steps "
               f"({r['ms_per_step_without_step_ahead']:.3f} without launching the next step ahead)")
-        print("   median per step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["timeline"].items()))
+        print(f"   garbage collector during the timed run: {r['gc_pauses']} pauses, {r['gc_ms']:.1f} ms")
+        print("   per step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["timeline"].items()))
         for kind in ("target_graphs", "draft_graphs"):
             for key, c in r.get(kind, {}).items():
                 print(f"   {kind[:-7]} graph {key}: launch {c['host_us']:.1f} us host, {c['device_us']:.1f} us device")

@@ -20,6 +20,7 @@ from dspark_serve.kernels.attention import AttentionMetadata
 from dspark_serve.models.qwen import QwenForCausalLM
 
 from .kv_cache import slots_of
+from .rejection import verify_greedy
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,9 @@ class TargetGraphs:
         top = -(-max_model_len // block_size) * block_size
         self.buckets = GraphBuckets(buckets.batch, tuple(c for c in buckets.context if c < top) + (top,))
         b, q = max(self.buckets.batch), max(self.query_lens)
-        self.staging = Staging(3 * b * q + b + b * (top // block_size), torch.int64, self.device)
+        self.staging = Staging(3 * b * q + 2 * b + b * (top // block_size), torch.int64, self.device)
         self.dev = self.staging.dev
-        self._runners: dict[tuple[int, int, int], Callable[[], tuple[Tensor, Tensor | None]]] = {}
+        self._runners: dict[tuple[int, int, int], Callable[[], tuple[Tensor, Tensor | None, Tensor]]] = {}
         self._pool = None
 
     def shape_for(self, starts: list[int], lens: list[int]) -> tuple[int, int, int] | None:
@@ -86,10 +87,12 @@ class TargetGraphs:
 
     @torch.inference_mode()
     def run(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]],
-            shape: tuple[int, int, int], drafts: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """-> logits [R, q, V] fp32 (rows past len(tokens[r]) are padding; valid until the next run) and
-        features [R, q, F] (an owned copy). With `drafts` [R, N] on the device, tokens[r][1:] are placeholders
-        and the drafts are copied in on the device, so they never visit the host."""
+            shape: tuple[int, int, int], drafts: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
+        """-> logits [R, q, V] fp32 (rows past len(tokens[r]) are padding; valid until the next run), features
+        [R, q, F] (an owned copy) and greedy verification of tokens[r][1:] in the graph: [R, 1 + q] int64, the
+        accepted count then the output tokens (rejection.verify_greedy, -1 padded). With `drafts` [R, N] on the
+        device, tokens[r][1:] are placeholders and the drafts are copied in on the device, so they never visit
+        the host."""
         q, b, c = shape
         self.staging.upload(self._layout(block_tables, starts, tokens, q, b, c))
         if drafts is not None and q > 1:
@@ -97,39 +100,44 @@ class TargetGraphs:
             self.dev[:b * q].view(b, q)[:len(tokens), 1:1 + k].copy_(drafts[:, :k])
         if shape not in self._runners:
             self._runners[shape] = self._build(q, b, c)
-        logits, feats = self._runners[shape]()
+        logits, feats, accept = self._runners[shape]()
         r = len(tokens)
-        return logits.view(b, q, -1)[:r], feats.view(b, q, -1)[:r].clone() if feats is not None else None
+        return logits.view(b, q, -1)[:r], feats.view(b, q, -1)[:r].clone() if feats is not None else None, \
+            accept[:r].clone()
 
     def _layout(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]], q: int, b: int,
                 c: int) -> list[int]:
-        """[ids b*q | positions b*q | slots b*q | seq_lens b | block table b*(c/block_size)], padded."""
+        """[ids b*q | positions b*q | slots b*q | seq_lens b | drafts to verify b | block table b*(c/block_size)],
+        padded."""
         bs, w = self.block_size, c // self.block_size
         ids, pos, slots, seq, table = [0] * (b * q), [0] * (b * q), [self.trash] * (b * q), [1] * b, [0] * (b * w)
+        drafts = [0] * b
         for r, (blocks, start, toks) in enumerate(zip(block_tables, starts, tokens)):
             n, o = len(toks), r * q
             ids[o:o + n] = toks
             pos[o:o + q] = range(start, start + q)
             slots[o:o + n] = slots_of(blocks, start, n, bs)
-            seq[r] = start + q
+            seq[r], drafts[r] = start + q, n - 1
             table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
-        return ids + pos + slots + seq + table
+        return ids + pos + slots + seq + drafts + table
 
-    def _build(self, q: int, b: int, c: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
+    def _build(self, q: int, b: int, c: int) -> Callable[[], tuple[Tensor, Tensor | None, Tensor]]:
         w, n = c // self.block_size, b * q
         d = self.dev
-        ids, pos, slots = d[:n], d[n:2 * n], d[2 * n:3 * n]
+        ids, pos, slots, num_drafts = d[:n], d[n:2 * n], d[2 * n:3 * n], d[3 * n + b:3 * n + 2 * b]
         meta = AttentionMetadata(cu_seqlens_q=torch.arange(b + 1, device=self.device) * q,
                                  seq_lens=d[3 * n:3 * n + b], slot_mapping=slots,
-                                 block_table=d[3 * n + b:3 * n + b + b * w].view(b, w), max_query_len=q,
+                                 block_table=d[3 * n + 2 * b:3 * n + 2 * b + b * w].view(b, w), max_query_len=q,
                                  max_seq_len=c, causal=True, all_slots_valid=True)
 
-        def forward() -> tuple[Tensor, Tensor | None]:
+        def forward() -> tuple[Tensor, Tensor | None, Tensor]:
             hidden, feats = self.model(ids, pos, meta, self.cache, capture_layers=self.capture_layers)
-            return self.model.compute_logits(hidden), feats
+            logits = self.model.compute_logits(hidden)
+            greedy = verify_greedy(ids.view(b, q)[:, 1:], num_drafts, logits.view(b, q, -1))
+            return logits, feats, torch.cat([greedy.num_accepted[:, None], greedy.output_tokens], 1)
         if not self.capture:
             return forward
-        step = self.dev[:3 * n + b + b * w].clone()  # this step's metadata; capture runs on padding only
+        step = self.dev[:3 * n + 2 * b + b * w].clone()  # this step's metadata; capture runs on padding only
         self.staging.upload(self._layout([], [], [], q, b, c))
         try:
             replay, self._pool = capture(forward, self._pool)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import random
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -70,6 +71,10 @@ class LLM:
         self._rng = random.Random(0)
         self._queues: dict[str, asyncio.Queue] = {}  # generate_stream: request id -> its outputs
         self._loop_task: asyncio.Task | None = None
+        # Everything alive now (models, tokenizer, imported modules) leaves the cyclic collector's view, so that a
+        # full collection during decoding does not walk it and stall a step.
+        gc.collect()
+        gc.freeze()
 
     @property
     def max_speculative_tokens(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,10 +32,15 @@ class Launched:
     proposal: DraftProposal | None
     n: list[int]  # drafts verified per request
     feats: list[Tensor | None]  # per request: target features of its anchor and verified drafts
-    packed: Tensor  # [R, 2 + width] int64 on the device: accepted count, then the output tokens (-1 padded)
+    packed: Tensor  # [R, 1 + W] int64 on the device: accepted count, then the output tokens (-1 padded)
     draft_ms: float
     launched_at: float  # perf_counter once the draft was in hand
     key: list[tuple] = ()  # launched ahead: per request what it assumed (see _ahead_key)
+
+
+def _region(name: str):
+    """A profiler region (bench_pair.py --profile) when a profiler runs; free otherwise."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else nullcontext()
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -159,19 +165,21 @@ def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], sp
     dev = target.device
     max_drafts = draft.num_speculative_tokens if draft is not None else 0
     t0 = time.perf_counter()
-    with record_function("dspark.draft"):  # the regions bench/bench_pair.py --profile reports
+    with _region("dspark.draft"):  # the regions bench/bench_pair.py --profile reports
         if proposal is None and draft is not None and any(wanted(reqs, max_drafts, remaining)):
             proposal = _drafted_ahead(draft, reqs) or draft.propose(draft_input(reqs, anchors, anchor_pos))
     t1 = time.perf_counter()
     n = num_to_verify(reqs, proposal, spec, max_drafts, remaining) if proposal is not None else [0] * len(reqs)
     drafts = proposal.tokens.to(dev) if proposal is not None else None
-    with record_function("dspark.verify"):
-        logits, feats = target.verify(reqs, drafts, n, anchors)
+    with _region("dspark.verify"):
+        logits, feats, accept = target.verify(reqs, drafts, n, anchors)
+    hints = verify_hints(reqs)
+    if not hints["any_sampled"] and accept is not None:  # every row greedy, and the graph verified them
+        return Launched(reqs, proposal, n, feats, accept, (t1 - t0) * 1e3, t1)
     if drafts is None:
         drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
     width = logits.shape[1] - 1
-    hints = verify_hints(reqs)
-    with record_function("dspark.accept"):
+    with _region("dspark.accept"):
         if hints["any_sampled"]:
             params = sampling_tensors(reqs, dev, anchor_pos)
             positions = params["anchor_pos"][:, None] + 1 + torch.arange(width + 1, device=dev)  # [R, width + 1]
@@ -189,7 +197,7 @@ def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], sp
 def _finish(launched: Launched, rows, max_drafts: int) -> dict[Request, tuple[list[int], int, int]]:
     """Read the accept counts (the step's host sync) and commit `rows` of the launch: request -> (its new tokens,
     accepted drafts, verified drafts)."""
-    with record_function("dspark.accept"):
+    with _region("dspark.accept"):
         packed = launched.packed.tolist()
     t = time.perf_counter()
     out = {}

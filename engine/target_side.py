@@ -39,24 +39,26 @@ class TargetSide:
 
     @torch.inference_mode()
     def verify(self, reqs: list[Request], drafts: Tensor | None, n: list[int],
-               anchors: list[int] | None = None) -> tuple[Tensor, list[Tensor | None]]:
+               anchors: list[int] | None = None) -> tuple[Tensor, list[Tensor | None], Tensor | None]:
         """Each request's anchor (`anchors` overrides r.anchor) plus its first n[b] drafts (drafts [R, N] int64 on
-        the device, or None): run()'s outputs. On the static path the drafts stay on the device; otherwise they
-        are read to the host first."""
+        the device, or None): run()'s outputs, and on the static path their greedy verification, computed in the
+        graph ([R, 1 + q]: accepted count, output tokens; else None). On the static path the drafts stay on the
+        device; otherwise they are read to the host first."""
         starts, lens = [r.num_computed for r in reqs], [1 + k for k in n]
         anchors = [r.anchor for r in reqs] if anchors is None else anchors
         shape = self.graphs.shape_for(starts, lens) if self.graphs is not None else None
-        if shape is None or drafts is None:
+        if shape is None:
             rows = drafts.tolist() if drafts is not None else [[] for _ in reqs]
-            return self.run(reqs, [[a] + d[:k] for a, d, k in zip(anchors, rows, n)], last_only=False)
+            return *self.run(reqs, [[a] + d[:k] for a, d, k in zip(anchors, rows, n)], last_only=False), None
         return self._run_static(reqs, starts, [[a] + [0] * k for a, k in zip(anchors, n)], shape, drafts)
 
     def _run_static(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], shape: tuple[int, int, int],
-                    drafts: Tensor | None = None) -> tuple[Tensor, list[Tensor | None]]:
-        """run()'s outputs from the bucket's graph (drafts: see TargetGraphs.run)."""
+                    drafts: Tensor | None = None) -> tuple[Tensor, list[Tensor | None], Tensor]:
+        """run()'s outputs from the bucket's graph and its greedy verification (drafts: see TargetGraphs.run)."""
         lens = [len(t) for t in tokens]
-        logits, feats = self.graphs.run([r.target_blocks for r in reqs], starts, tokens, shape, drafts=drafts)
-        return logits[:, :max(lens)], [f[:k] for f, k in zip(feats, lens)] if feats is not None else [None] * len(reqs)
+        logits, feats, accept = self.graphs.run([r.target_blocks for r in reqs], starts, tokens, shape, drafts=drafts)
+        per_req = [f[:k] for f, k in zip(feats, lens)] if feats is not None else [None] * len(reqs)
+        return logits[:, :max(lens)], per_req, accept
 
     @torch.inference_mode()
     def run(self, reqs: list[Request], tokens: list[list[int]], last_only: bool) -> tuple[Tensor, list[Tensor | None]]:
@@ -71,7 +73,7 @@ class TargetSide:
         lens = [len(t) for t in tokens]
         shape = self.graphs.shape_for(starts, lens) if self.graphs is not None and not last_only else None
         if shape is not None:
-            return self._run_static(reqs, starts, tokens, shape)
+            return self._run_static(reqs, starts, tokens, shape)[:2]
         meta = batch_metadata([r.target_blocks for r in reqs], starts, lens, self.block_size, self.device)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
         hidden, feats = self.model(ids, positions_of(starts, lens, self.device), meta, self.cache,
