@@ -35,7 +35,7 @@ class Launched:
     packed: Tensor  # [R, 1 + W] int64 on the device: accepted count, then the output tokens (-1 padded)
     draft_ms: float
     launched_at: float  # perf_counter once the draft was in hand
-    key: list[tuple] = ()  # launched ahead: per request what it assumed (see _ahead_key)
+    key: list[tuple] = ()  # launched ahead: per request the (anchor_pos, num_computed, anchor) it assumed
 
 
 def _region(name: str):
@@ -142,11 +142,11 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     max_drafts = draft.num_speculative_tokens if draft is not None else 0
     ahead, rows = _take_ahead(target, reqs)
     rest = [r for r in reqs if r not in rows]
+    fresh = _launch(target, draft, rest, spec) if rest else None  # queued behind the rows launched ahead
     done: dict[Request, tuple[list[int], int, int]] = {}
     if ahead is not None:
         done.update(_finish(ahead, sorted(rows.values()), max_drafts))
-    if rest:
-        fresh = _launch(target, draft, rest, spec)
+    if fresh is not None:
         done.update(_finish(fresh, range(len(rest)), max_drafts))
     new_tokens = [done[r][0] for r in reqs]
     if getattr(draft, "draft_ahead", False):
