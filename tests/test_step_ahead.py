@@ -115,3 +115,39 @@ def test_not_ahead_when_n_reads_confidences(taken):
     for a, b in zip(outs[False], outs[True]):
         _same(a, b)
     assert taken and all(t[0] == 0 for t in taken)
+
+
+class _DraftBehindAChannel:
+    """The surface actors/remote_draft.RemoteDraft gives spec_step (no drafting ahead), over a local DraftSide."""
+
+    def __init__(self, side) -> None:
+        self.side = side
+        self.num_speculative_tokens, self.query_len = side.num_speculative_tokens, side.query_len
+        self.allocator, self.device = side.allocator, side.device
+
+    def propose(self, inp):
+        return self.side.propose(inp)
+
+
+def test_a_draft_that_cannot_draft_ahead(taken):
+    """A remote draft proposes only when asked: the steps that draft are not launched ahead, plain-only ones are."""
+    target, draft = build_pair(seed=11, agree=0.005, block_size=5)
+    prompts, params = _prompts(5, 6), _params(6)
+    outs = {}
+    for ahead in (False, True):
+        local = _llm(target, draft, {}, True, False)
+        remote = LLM(target, None, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
+                     enforce_eager=False, draft_side=_DraftBehindAChannel(local.draft),
+                     capture_layers=draft.config.target_layer_ids)
+        remote.target.step_ahead = ahead
+        taken.clear()
+        ids = [remote.add_request(p, sp, num_speculative_tokens=0 if i % 2 else None)
+               for i, (p, sp) in enumerate(zip(prompts, params))]
+        finals = {}
+        while remote.has_unfinished():
+            finals.update({o.request_id: o for o in remote.step() if o.finished})
+        outs[ahead] = [finals[i] for i in ids]
+        assert remote.target.allocator.num_free == 256 and local.draft.allocator.num_free == 256
+    for a, b in zip(outs[False], outs[True]):
+        _same(a, b)
+    assert any(k > 0 for k, _, _ in taken)  # batches of plain-only requests were launched ahead
