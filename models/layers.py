@@ -108,35 +108,22 @@ class AttentionProjections(nn.Module):
             bias = _concat_as_views([p.bias for p in projs]) if self.q_proj.bias is not None else None
             self._qkv = (_concat_as_views([p.weight for p in projs]), bias)
 
-    def qkv_fused(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """query() and key_value() with one GEMM (after fuse()) and one Triton kernel for q/k norms and RoPE."""
-        q, k, v = self._qkv_heads(x)
-        q, k = self._norm_rotary(q, k, cos, sin)
-        return q, k, v
-
-    def qkv_fused_store(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                        slot_mapping: Tensor) -> Tensor:
-        """qkv_fused() whose k and v go straight into the cache slots (store_kv) from the same launch -> q."""
-        q, k, v = self._qkv_heads(x)
-        return self._norm_rotary(q, k, cos, sin, (v, k_cache, v_cache, slot_mapping))[0]
-
-    def _norm_rotary(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, cache=None) -> tuple[Tensor, Tensor | None]:
+    def qkv_fused(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  slot_mapping: Tensor) -> Tensor:
+        """query() and key_value() with one GEMM (after fuse()) and one Triton launch for the q/k norms, RoPE and
+        the k/v write into the cache slots (attention.store_kv) -> q [T, H, D]."""
         from dspark_serve.kernels.fused_ops import qk_norm_rotary
 
-        qw = self.q_norm.weight if self.q_norm is not None else None
-        kw = self.k_norm.weight if self.k_norm is not None else None
-        eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        return qk_norm_rotary(q, k, cos, sin, qw, kw, eps, cache)
-
-    def _qkv_heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """One GEMM (after fuse()) -> views q [T, H, D], k, v [T, KV, D]."""
         t, d = x.shape[0], self.head_dim
         qkv = F.linear(x, *self._qkv) if self._qkv is not None else \
             torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)  # [T, (H + 2 KV) * D]
         q = qkv[:, :self.num_heads * d].view(t, self.num_heads, d)
         k = qkv[:, self.num_heads * d:(self.num_heads + self.num_kv_heads) * d].view(t, self.num_kv_heads, d)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * d:].view(t, self.num_kv_heads, d)
-        return q, k, v
+        qw = self.q_norm.weight if self.q_norm is not None else None
+        kw = self.k_norm.weight if self.k_norm is not None else None
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        return qk_norm_rotary(q, k, cos, sin, qw, kw, eps, (v, k_cache, v_cache, slot_mapping))[0]
 
     def key_value(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)  # [T, KV, D]

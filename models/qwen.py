@@ -48,7 +48,7 @@ class DecoderLayer(nn.Module):
         attn, ln = self.self_attn, self.input_layernorm
         h, residual = (rms_norm(x, ln.weight, ln.eps), x) if residual is None else \
             rms_norm(x, ln.weight, ln.eps, residual)
-        q = attn.qkv_fused_store(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)  # k, v to the cache
+        q = attn.qkv_fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)  # k, v go to the cache
         o = attention(q, kv_cache[0], kv_cache[1], meta, attn.scale)  # [T, H, D]
         ln = self.post_attention_layernorm
         h, residual = rms_norm(attn.o_proj(o.reshape(x.shape[0], -1)), ln.weight, ln.eps, residual)
