@@ -258,8 +258,7 @@ def _draft_ahead(draft: DraftSide, reqs: list[Request], new_tokens: list[list[in
     wrote to the draft cache is valid context or scratch)."""
     draft.ahead = None
     pos = [r.num_tokens - 1 + len(t) for r, t in zip(reqs, new_tokens)]  # the next anchors' positions
-    if not any(min(r.num_speculative_tokens, max_drafts, r.remaining - len(t) - 1) > 0
-               for r, t in zip(reqs, new_tokens)):
+    if not any(wanted(reqs, max_drafts, [r.remaining - len(t) for r, t in zip(reqs, new_tokens)])):
         return
     pool = draft.allocator  # the next query block may need draft cache blocks the scheduler grows later
     need = [max(0, pool.blocks_for(p + draft.query_len) - len(r.draft_blocks)) for r, p in zip(reqs, pos)]

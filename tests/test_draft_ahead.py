@@ -2,24 +2,18 @@
 seeded sampling, continuous batching with admissions, stop tokens and length limits; and it is really used."""
 
 import pytest
-import torch
-from engine_pairs import build_pair
+from engine_pairs import build_pair, random_prompts
 
 from dspark_serve.engine import spec_step as spec_step_module
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 
 
-def _prompts(seed: int, count: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 255, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (count,), generator=g)]
-
-
 @pytest.mark.parametrize("spec", [{}, {"dspark_draft_topk": 8}])
 @pytest.mark.parametrize("static", [False, True])
 def test_draft_ahead_changes_no_output(spec, static, monkeypatch):
     target, draft = build_pair(seed=11, agree=0.005, block_size=5)
-    prompts = _prompts(3, 14)
+    prompts = random_prompts(3, 14)
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, max_tokens=12 + 3 * i, seed=i,
                              stop_token_ids=(7,) if i % 3 == 0 else ()) for i in range(len(prompts))]
     outs = {}

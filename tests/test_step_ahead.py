@@ -3,17 +3,11 @@ changes no output: greedy and seeded sampling, continuous batching with admissio
 aborts and plain decoding; it frees every block; it is really used, and skipped when n needs the confidences."""
 
 import pytest
-import torch
-from engine_pairs import build_pair
+from engine_pairs import build_pair, random_prompts
 
 from dspark_serve.engine import spec_step as spec_step_module
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
-
-
-def _prompts(seed: int, count: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 255, (int(n),), generator=g).tolist() for n in torch.randint(1, 20, (count,), generator=g)]
 
 
 def _params(count: int) -> list[SamplingParams]:
@@ -44,6 +38,18 @@ def _llm(target, draft, spec, static, ahead):
     return llm
 
 
+def _generate_both(target, draft, spec, static, prompts, params, taken) -> dict:
+    """Outputs without and with launching ahead (`taken` then holds the second run's counts); every block freed."""
+    outs = {}
+    for ahead in (False, True):
+        llm = _llm(target, draft, spec, static, ahead)
+        taken.clear()
+        outs[ahead] = llm.generate(prompts, params)
+        assert llm.target.allocator.num_free == 256
+        assert llm.draft is None or llm.draft.allocator.num_free == 256
+    return outs
+
+
 def _same(a, b):
     assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
     assert a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
@@ -53,13 +59,8 @@ def _same(a, b):
 @pytest.mark.parametrize("static", [False, True])
 def test_step_ahead_changes_no_output(spec, static, taken):
     target, draft = build_pair(seed=11, agree=0.005, block_size=5)
-    prompts, params = _prompts(3, 14), _params(14)
-    outs = {}
-    for ahead in (False, True):
-        llm = _llm(target, draft, spec, static, ahead)
-        taken.clear()
-        outs[ahead] = llm.generate(prompts, params)  # 14 prompts through 4 slots: admissions between steps
-        assert llm.target.allocator.num_free == 256 and llm.draft.allocator.num_free == 256
+    # 14 prompts through 4 slots: admissions between steps
+    outs = _generate_both(target, draft, spec, static, random_prompts(3, 14), _params(14), taken)
     for a, b in zip(outs[False], outs[True]):
         _same(a, b)
     rows = sum(t[0] for t in taken)
@@ -70,13 +71,7 @@ def test_step_ahead_changes_no_output(spec, static, taken):
 
 def test_plain_decoding_ahead(taken):
     target, _ = build_pair(seed=5, agree=0.005, block_size=5)
-    prompts, params = _prompts(4, 9), _params(9)
-    outs = {}
-    for ahead in (False, True):
-        llm = _llm(target, None, None, True, ahead)
-        taken.clear()
-        outs[ahead] = llm.generate(prompts, params)
-        assert llm.target.allocator.num_free == 256
+    outs = _generate_both(target, None, None, True, random_prompts(4, 9), _params(9), taken)
     for a, b in zip(outs[False], outs[True]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
     assert sum(t[0] for t in taken) > sum(t[1] for t in taken) // 2
@@ -84,7 +79,7 @@ def test_plain_decoding_ahead(taken):
 
 def test_abort_between_steps(taken):
     target, draft = build_pair(seed=11, agree=0.005, block_size=5)
-    prompts = _prompts(6, 3)
+    prompts = random_prompts(6, 3)
     finals = {}
     for ahead in (False, True):
         llm = _llm(target, draft, {}, True, ahead)
@@ -106,12 +101,7 @@ def test_abort_between_steps(taken):
 def test_not_ahead_when_n_reads_confidences(taken):
     """With the confidence budget, n depends on this step's confidences: nothing is launched ahead."""
     target, draft = build_pair(seed=11, agree=0.005, block_size=5)
-    prompts, params = _prompts(3, 6), _params(6)
-    outs = {}
-    for ahead in (False, True):
-        llm = _llm(target, draft, {"dspark_budget_frac": 0.5}, True, ahead)
-        taken.clear()
-        outs[ahead] = llm.generate(prompts, params)
+    outs = _generate_both(target, draft, {"dspark_budget_frac": 0.5}, True, random_prompts(3, 6), _params(6), taken)
     for a, b in zip(outs[False], outs[True]):
         _same(a, b)
     assert taken and all(t[0] == 0 for t in taken)
@@ -132,7 +122,7 @@ class _DraftBehindAChannel:
 def test_a_draft_that_cannot_draft_ahead(taken):
     """A remote draft proposes only when asked: the steps that draft are not launched ahead, plain-only ones are."""
     target, draft = build_pair(seed=11, agree=0.005, block_size=5)
-    prompts, params = _prompts(5, 6), _params(6)
+    prompts, params = random_prompts(5, 6), _params(6)
     outs = {}
     for ahead in (False, True):
         local = _llm(target, draft, {}, True, False)
