@@ -107,3 +107,17 @@ def test_rms_norm_and_silu_compile(monkeypatch, residual):
     gate_up = torch.randn(3, 2 * 4864).bfloat16()
     assert compile_launches(monkeypatch, fused_ops, ("_silu_mul_kernel",),
                             lambda: fused_ops.silu_mul(gate_up)) == {"_silu_mul_kernel": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_distill_loss_compiles(monkeypatch, dtype):
+    from dspark_serve.kernels import distill_loss as dl
+    z = torch.randn(4, 3000).to(dtype).requires_grad_(True)
+    t = torch.randn(2, 3000).to(dtype)
+    row, labels = torch.tensor([0, 1, 1, 0]), torch.tensor([5, 6, 7, 2999])
+    names = ("_distill_fwd_kernel", "_distill_bwd_kernel")
+
+    def call():
+        ce, l1, _ = dl.distill_rows(z, t, row, labels)
+        (ce.sum() + l1.sum()).backward()
+    assert compile_launches(monkeypatch, dl, names, call) == {n: 1 for n in names}

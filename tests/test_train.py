@@ -57,6 +57,31 @@ def test_block_forward_matches_inference_path():
         torch.testing.assert_close(hidden[j], ref, atol=1e-5, rtol=1e-5)
 
 
+def test_block_forward_per_sequence_matches_the_dense_mask():
+    """Padded per-sequence attention == the dense [N * B, T + N * B] mask, values and gradients; sequences of
+    different lengths, one without blocks, grouped-query heads."""
+    from dspark_serve.train.block_forward_ref import block_forward_dense
+    _, draft = tiny_pair(2, vocab=256, block_size=3, dtype=torch.float64)
+    draft = draft.double()
+    g = torch.Generator().manual_seed(5)
+    lens = [9, 17, 4, 12]
+    feats = torch.randn(sum(lens), len(draft.config.target_layer_ids) * 64, generator=g, dtype=torch.float64)
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    anchors = torch.tensor([1, 4, 8, 0, 3, 10, 16, 2, 5, 11])
+    bseq = torch.tensor([0, 0, 0, 1, 1, 1, 1, 3, 3, 3])  # sequence 2 has no block
+    ids = torch.randint(0, 255, (10, 3), generator=g)
+    outs = []
+    for fn in (block_forward, block_forward_dense):
+        draft.zero_grad()
+        h = fn(draft, feats, seq, pos, ids, bseq, anchors)
+        (h * torch.linspace(-1, 1, h.numel(), dtype=h.dtype).view_as(h)).sum().backward()
+        outs.append((h.detach(), draft.fc.weight.grad.clone(), draft.layers[0].self_attn.q_proj.weight.grad.clone()))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    assert outs[0][1].abs().sum() > 0
+
+
 def test_loss_matches_formula():
     torch.manual_seed(0)
     n, b, v = 2, 4, 6

@@ -89,9 +89,11 @@ def train_step(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[tor
         hidden = block_forward(draft, feats, packed.seq.to(dev), packed.pos.to(dev), blocks.ids.to(dev),
                                blocks.seq.to(dev), blocks.anchors.to(dev))  # [N, B, hidden]
         logits, conf = block_logits(draft, hidden, blocks.prev_ids.to(dev))
-    with torch.no_grad():
-        target_logits = target.compute_logits(last[blocks.target_index.to(dev)])  # [N, B, V] fp32
-    return dspark_loss(logits, target_logits, blocks.labels.to(dev), blocks.eval_mask.to(dev), conf, gamma)
+    with torch.no_grad():  # each target position once: [U, V] in the target's dtype
+        rows, index = torch.unique(blocks.target_index.to(dev), return_inverse=True)
+        target_logits = target.lm_head(last[rows])
+    return dspark_loss(logits, target_logits, blocks.labels.to(dev), blocks.eval_mask.to(dev), conf, gamma,
+                       target_index=index)
 
 
 def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Tensor, torch.Tensor]],
