@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from dspark_serve.kernels import nvfp4
+
 from .config import CheckpointError, read_json
 from .draft_config import DraftConfig
 from .dspark import DSparkDraft
@@ -83,6 +85,7 @@ def load_draft(path: str | Path, target: QwenForCausalLM | None = None, dtype: t
     model = model.to_empty(device="cpu")
     model.rotary.reset()
     shared = ("embed_tokens.weight", "lm_head.weight") if target is not None else ()
+    names = _dequantize_embeddings(model, names, nvfp4_state, state)
     _check_linears(model, names, nvfp4_state, where)
     assign(model, state, where, optional=shared + tuple(f"{n}.weight" for n in names),
            dtype=dtype or cfg.layers.dtype)
@@ -120,6 +123,24 @@ def _take_nvfp4(path: str | Path, state: dict[str, Tensor], where: str) -> tuple
         if f"{name}.bias" in state:
             nvfp4_state[f"{name}.bias"] = state[f"{name}.bias"]
     return names, nvfp4_state
+
+
+def _dequantize_embeddings(model: DSparkDraft, names: set[str], nvfp4_state: dict[str, Tensor],
+                           state: dict[str, Tensor]) -> set[str]:
+    """NVFP4 tables read by row (markov_w1: one prev token's row per step) are stored 4-bit and loaded dense:
+    their `.weight` goes back into `state`; -> the names still to load as NVFP4Linear."""
+    rest = set()
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            module = None
+        keys = [f"{name}.{s}" for s in ("weight", "weight_scale", "weight_scale_2")]
+        if isinstance(module, nn.Embedding) and all(k in nvfp4_state for k in keys):
+            state[f"{name}.weight"] = nvfp4.dequantize(*(nvfp4_state.pop(k) for k in keys))
+        else:
+            rest.add(name)
+    return rest
 
 
 def _check_linears(model: DSparkDraft, names: set[str], nvfp4_state: dict[str, Tensor], where: str) -> None:

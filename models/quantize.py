@@ -19,8 +19,9 @@ from dspark_serve.kernels import nvfp4
 from .nvfp4_linear import NVFP4Linear
 
 NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
-# Draft linears worth 4 bits: fc, attention/MLP projections, lm_head, markov_w2 (not embeddings, norms, heads).
-DEFAULT_INCLUDE = ("fc", "layers.*_proj", "lm_head", "markov_head.markov_w2")
+# Draft weights worth 4 bits: fc, attention/MLP projections, lm_head, both Markov factors (markov_w1, a table
+# read by row, loads dense; a rank below 16 stays unquantized); not the embedding, norms or heads.
+DEFAULT_INCLUDE = ("fc", "layers.*_proj", "lm_head", "markov_head.markov_w1", "markov_head.markov_w2")
 
 
 def _check_group(entry: dict, where: str) -> None:

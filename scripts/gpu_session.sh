@@ -6,7 +6,9 @@
 #   check     CUDA-graph and engine GPU tests, then a short real-pair benchmark (tau, batch-1 tok/s)
 #   regen     the target's greedy responses to the training prompts not in the shipped drafter's data
 #   train     continue the bf16 drafter (.work/drafter-bf16) on all responses, quantize, return both
-#   eval D    bench_pair for drafter D against transformers' compiled generate, then bench_gpu
+#   scratch S M  a new 3-layer drafter on all responses: an S-minute schedule, this call trains M minutes of it
+#   resume S  the rest of that schedule, quantize, return both
+#   eval D    bench_pair for drafter D (acceptance, speed vs compiled generate), then the shipped drafter's tau
 #   pair      engine GPU tests, the pair's batch-1 speed against compiled generate, bench_step
 #   p6        plain vs speculative tok/s with 1, 8, 32 and 64 requests at once (issue 8, P6)
 #   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
@@ -45,11 +47,29 @@ train)
     cli quantize /tmp/more /tmp/more-q --device cpu 2>&1 | tee -a "$OUT/train.log"
     cp /tmp/more/train_log.jsonl "$OUT/" ; split -b 15M /tmp/more/model.safetensors "$OUT/bf16.part."
     tar -cf "$OUT/drafters.tar" -C /tmp more/config.json more-q ;;
-eval)
-    timeout 330 python3 bench/bench_pair.py --target $T --draft "${2:?drafter dir}" --accept-batch 64 --max-tokens 256 \
-        --speed-prompts 8 --hf-baseline --profile --json "$OUT/bench_pair.json" 2>&1 | tee "$OUT/bench_pair.log"
-    timeout 200 python3 bench/bench_gpu.py --models 8b 0.6b --json "$OUT/bench_gpu.json" 2>&1 \
-        | tee "$OUT/bench_gpu.log" ;;
+scratch)  # a new 3-layer drafter on all responses: a ${2}-minute schedule, of which this call trains ${3} minutes
+    xz -dc .work/prompts.jsonl.xz > /tmp/p1.jsonl && xz -dc .work/prompts2.jsonl.xz > /tmp/p2.jsonl || exit 1
+    cli train-draft --target $T --responses /tmp/p1.jsonl --responses /tmp/p2.jsonl --out /tmp/scratch \
+        --draft-layers 3 --draft-intermediate-size 1024 --markov-rank 16 --no-shared-copies --batch-size 16 \
+        --num-anchors 128 --epochs 1000 --lr "${4:-8e-4}" --max-minutes "${2:?schedule minutes}" \
+        --stop-after-minutes "${3:?minutes of this call}" --log-every 100 2>&1 | tee "$OUT/train.log"
+    cp /tmp/scratch/train_log.jsonl /tmp/scratch/config.json "$OUT/"
+    split -b 15M /tmp/scratch/model.safetensors "$OUT/bf16.part." ;;
+resume)  # continue the paused scratch run to the end of its schedule, quantize, return both drafters
+    cli train-draft --target $T --responses /tmp/p1.jsonl --responses /tmp/p2.jsonl --out /tmp/scratch \
+        --resume /tmp/scratch --no-shared-copies --batch-size 16 --num-anchors 128 --epochs 1000 \
+        --lr "${3:-8e-4}" --max-minutes "${2:?schedule minutes}" --log-every 100 2>&1 | tee "$OUT/train.log"
+    cli quantize /tmp/scratch /tmp/scratch-q --device cpu 2>&1 | tee -a "$OUT/train.log"
+    du -b /tmp/scratch-q/* | tee -a "$OUT/train.log"
+    cp /tmp/scratch/train_log.jsonl "$OUT/"; split -b 15M /tmp/scratch/model.safetensors "$OUT/bf16.part."
+    tar -cf "$OUT/drafters.tar" -C /tmp scratch/config.json scratch-q ;;
+eval)  # drafter D on the pair: acceptance (code, prose; T = 0, 1), batch-1 speed vs compiled generate; the shipped one
+    timeout 330 python3 bench/bench_pair.py --target $T --draft "${2:?drafter dir}" --sets code prose --temperatures 0 1 \
+        --accept-prompts 16 --accept-batch 16 --max-tokens 256 --speed-prompts 8 --hf-baseline \
+        --json "$OUT/bench_pair.json" 2>&1 | tee "$OUT/bench_pair.log" | grep -v Warn | tail -12
+    timeout 120 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 16 \
+        --accept-batch 16 --max-tokens 256 --speed-prompts 0 --json "$OUT/bench_pair_shipped.json" 2>&1 \
+        | tee "$OUT/bench_pair_shipped.log" | grep -v Warn | tail -4 ;;
 fast)  # the fast path's GPU tests, the shipped pair (tau, batch-1 speed vs compiled generate, profile), the benchmarks
     timeout 150 python3 -P -m pytest -q tests/gpu/test_fused_ops_gpu.py tests/gpu/test_paged_attention_gpu.py \
         tests/gpu/test_markov_walk_gpu.py tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 \

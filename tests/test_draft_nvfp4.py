@@ -19,7 +19,7 @@ from dspark_serve.models.nvfp4_linear import NVFP4Linear
 from dspark_serve.models.quantize import quantize_checkpoint
 
 pytest.importorskip("transformers")
-RANK = 16   # markov_w2 is [V, 16]: K % 16 == 0, so it is quantized too
+RANK = 16   # markov_w1 / markov_w2 are [V, 16]: K % 16 == 0, so they are quantized too
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +36,12 @@ def _quantized(target, tmp_path, fmt="deepspec", seed=0):
 
 
 def _dense_twin(draft, loaded, names):
-    """`draft` with each quantized linear's weight replaced by the loaded NVFP4 layer's dequantized weight."""
+    """`draft` with each quantized linear's weight replaced by the loaded NVFP4 layer's dequantized weight (and
+    markov_w1 by the loaded one, dequantized at load)."""
     with torch.no_grad():
-        for name in names:
+        for name in names - {"markov_head.markov_w1"}:
             draft.get_submodule(name).weight.copy_(loaded.get_submodule(name).dequantized_weight(torch.float32))
+        draft.markov_head.markov_w1.weight.copy_(loaded.markov_head.markov_w1.weight)
     return draft
 
 
@@ -62,11 +64,21 @@ def test_nvfp4_draft_equals_dense_dequantized_twin(target, tmp_path, fmt):
     assert not isinstance(loaded.confidence_head.proj, NVFP4Linear)
     assert loaded.lm_head is not target.lm_head   # the quantized lm_head is the draft's own, not swapped out
     assert loaded.embed_tokens is target.model.embed_tokens
+    w1 = loaded.markov_head.markov_w1
+    assert isinstance(w1, torch.nn.Embedding)   # a table read by row: stored NVFP4, loaded dense
+    if fmt == "deepspec":
+        assert names == canon | {"markov_head.markov_w1"}
+        from safetensors.torch import load_file
+
+        from dspark_serve.kernels import nvfp4
+        stored = load_file(path / "model.safetensors")
+        assert stored["markov_head.markov_w1.weight"].dtype == torch.uint8
+        want = nvfp4.dequantize(*(stored[f"markov_head.markov_w1.{s}"] for s in ("weight", "weight_scale",
+                                                                                   "weight_scale_2")))
+        assert torch.equal(w1.weight, want.to(w1.weight.dtype))
     dense = _dense_twin(draft, loaded, canon)
     inputs = _inputs(cfg, seed=1)
     _assert_close(_draft_outputs(loaded, *inputs), _draft_outputs(dense, *inputs))
-    if fmt == "deepspec":
-        assert names == canon
 
 
 def test_stacked_nvfp4_projections_split_by_rows(target, tmp_path):
@@ -105,7 +117,7 @@ def test_stacked_nvfp4_projections_split_by_rows(target, tmp_path):
     for i in range(2):
         for p in ("q", "k", "v"):
             assert isinstance(loaded.layers[i].self_attn.get_submodule(f"{p}_proj"), NVFP4Linear)
-    names = [n for n, m in loaded.named_modules() if isinstance(m, NVFP4Linear)]
+    names = {n for n, m in loaded.named_modules() if isinstance(m, NVFP4Linear)}
     dense = _dense_twin(draft, loaded, names)
     inputs = _inputs(cfg, seed=3)
     _assert_close(_draft_outputs(loaded, *inputs), _draft_outputs(dense, *inputs))

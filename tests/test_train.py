@@ -248,6 +248,36 @@ def test_regenerate_only_then_train_from_responses(tmp_path, capsys):
         train_main(common + ["--out", str(out)])  # neither --data nor --responses
 
 
+def test_paused_and_resumed_run_equals_one_run(tmp_path, capsys):
+    """--stop-after-steps then --resume: the same weights, log and schedule as one uninterrupted run."""
+    from safetensors.torch import load_file
+    target, _ = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.float32)
+    target_dir = save_target(target, tmp_path / "target")
+    rng = random.Random(2)
+    rows = [{"prompt_ids": [rng.randrange(250) for _ in range(5)],
+             "response_ids": [rng.randrange(250) for _ in range(rng.randint(6, 14))]} for _ in range(6)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--target", str(target_dir), "--device", "cpu", "--data-format", "ids", "--responses", str(data),
+              "--draft-layers", "1",
+              "--block-size", "4", "--markov-rank", "16", "--steps", "6", "--batch-size", "2", "--num-anchors", "4",
+              "--no-shared-copies"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert train_main(common + ["--out", str(one)]) == 0
+    assert train_main(common + ["--out", str(two), "--stop-after-steps", "3"]) == 0
+    assert "train: pausing at step 3" in capsys.readouterr().err
+    assert len((two / "train_log.jsonl").read_text().splitlines()) == 3
+    with pytest.raises(SystemExit):
+        train_main(common + ["--out", str(two), "--resume", str(one)])  # no resume.pt there
+    assert train_main(common + ["--out", str(two), "--resume", str(two)]) == 0
+    assert "train: resuming at step 3" in capsys.readouterr().err
+    logs = [[json.loads(line) for line in (d / "train_log.jsonl").read_text().splitlines()] for d in (one, two)]
+    assert [r["step"] for r in logs[1]] == list(range(6))
+    assert [(r["lr"], r["loss"]) for r in logs[0]] == [(r["lr"], r["loss"]) for r in logs[1]]
+    a, b = (load_file(d / "model.safetensors") for d in (one, two))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_draft_leaves_the_targets_shared_modules_alone(tmp_path):
     """A bf16 target with a draft continued in fp32: the draft's embedding / lm_head stay the target's, in bf16."""
     target, draft = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.bfloat16)

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4, help="sequences packed per step")
     p.add_argument("--num-anchors", type=int, default=256, help="anchor blocks per sequence")
     p.add_argument("--max-minutes", type=float, help="stop training after this many minutes")
+    p.add_argument("--stop-after-minutes", type=float,
+                   help="pause this run after this many minutes of training, keeping --max-minutes' schedule: writes "
+                        "the draft and OUT/resume.pt (fp32 weights, optimizer, step, data order) for --resume")
+    p.add_argument("--stop-after-steps", type=int, help="the same at this optimizer step")
+    p.add_argument("--resume", help="an --out directory paused by --stop-after-minutes: continue its run where it "
+                                    "stopped (same data, same options)")
     p.add_argument("--save-every-minutes", type=float,
                    help="also write the draft to --out this often while training (a killed run keeps the last one)")
     p.add_argument("--no-feature-cache", action="store_true",
@@ -109,7 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     mask_id = args.mask_token_id if args.mask_token_id is not None else \
         default_mask_token_id(vocab, used_vocab_size(tok) if tok else None)
     layer_ids = tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else None
-    if args.init_draft:
+    resume = None
+    if args.resume:
+        path = Path(args.resume) / "resume.pt"
+        if not path.is_file():
+            parser.error(f"--resume {args.resume}: no resume.pt there (written by --stop-after-minutes)")
+        resume = torch.load(path, map_location=device, weights_only=False)
+        draft = resume_draft(args.resume, target)
+        with torch.no_grad():
+            for name, p in draft.named_parameters():
+                if p.requires_grad:
+                    p.copy_(resume["weights"][name])
+    elif args.init_draft:
         draft = resume_draft(args.init_draft, target)
     else:
         draft = new_draft(target, args.draft_layers, args.block_size, args.markov_rank, layer_ids, mask_id,
@@ -117,13 +134,16 @@ def main(argv: list[str] | None = None) -> int:
                           intermediate_size=args.draft_intermediate_size)
     cfg = TrainConfig(lr=args.lr, warmup_ratio=args.warmup_ratio, schedule=args.schedule, steps=args.steps,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors,
-                      max_minutes=args.max_minutes, save_every_minutes=args.save_every_minutes,
+                      max_minutes=args.max_minutes, stop_minutes=args.stop_after_minutes,
+                      stop_step=args.stop_after_steps,
+                      save_every_minutes=args.save_every_minutes,
                       cache_features=not args.no_feature_cache, log_every=args.log_every, seed=args.seed)
     dc = draft.config
     print(f"train-draft: draft {dc.layers.num_layers} layers, block {dc.block_size}, target layers "
           f"{list(dc.target_layer_ids)}, mask id {dc.mask_token_id}"
           + (f", continuing {args.init_draft}" if args.init_draft else ""), file=sys.stderr)
-    (out / "train_log.jsonl").unlink(missing_ok=True)
+    if resume is None:
+        (out / "train_log.jsonl").unlink(missing_ok=True)
     save_dtype = ModelConfig.from_dir(target_dir).dtype  # the target checkpoint's dtype (bf16 for Qwen)
 
     def save(model: DSparkDraft) -> None:
@@ -133,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     def checkpoint(step: int) -> None:
         save(copy.deepcopy(draft))
         print(f"train-draft: step {step}: wrote {out}", file=sys.stderr)
-    log = train(draft, target, seqs, cfg, out / "train_log.jsonl", checkpoint)
+    def save_state(state: dict) -> None:
+        weights = {n: p.detach().clone() for n, p in draft.named_parameters() if p.requires_grad}
+        torch.save({"trainer": state, "weights": weights}, out / "resume.pt")
+        print(f"train-draft: wrote {out / 'resume.pt'}; continue with --resume {out}", file=sys.stderr)
+    log = train(draft, target, seqs, cfg, out / "train_log.jsonl", checkpoint,
+                resume["trainer"] if resume is not None else None, save_state)
     save(draft)
     if log:
         print(f"train-draft: loss {log[0]['loss']:.4f} -> {log[-1]['loss']:.4f}; wrote {out}", file=sys.stderr)

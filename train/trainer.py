@@ -33,7 +33,9 @@ class TrainConfig:
     epochs: float = 1.0
     batch_size: int = 4  # sequences packed per step
     num_anchors: int = 256  # per sequence
-    max_minutes: float | None = None
+    max_minutes: float | None = None  # the schedule's length in time (the learning rate reaches 0 there)
+    stop_minutes: float | None = None  # stop this run sooner, schedule unchanged, and save a resume state
+    stop_step: int | None = None  # the same at this step
     save_every_minutes: float | None = None  # call `checkpoint` this often (a killed run keeps its last save)
     cache_features: bool = True  # run the target once per sequence (else once per step: no memory, more compute)
     gamma: float = 4.0
@@ -98,9 +100,11 @@ def train_step(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[tor
 
 def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Tensor, torch.Tensor]],
           cfg: TrainConfig, log_path: Path | None = None,
-          checkpoint: Callable[[int], None] | None = None) -> list[dict]:
+          checkpoint: Callable[[int], None] | None = None, resume: dict | None = None,
+          save_state: Callable[[dict], None] | None = None) -> list[dict]:
     """Train in place; returns the per-step log (also appended to `log_path` as JSON lines). `checkpoint(step)`
-    is called every `save_every_minutes`."""
+    is called every `save_every_minutes`. A run cut short by `stop_minutes` hands `save_state` a resume state
+    (optimizer, step, time trained, data order, generator); `resume` continues one on the same schedule."""
     params = freeze_shared(draft)
     target.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -108,15 +112,31 @@ def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Te
     total = cfg.steps or max(1, int(round(cfg.epochs * per_epoch)))
     gen = torch.Generator().manual_seed(cfg.seed)
     order: list[int] = []
+    first, trained_s = 0, 0.0
+    if resume is not None:
+        opt.load_state_dict(resume["optimizer"])
+        gen.set_state(resume["generator"])
+        first, trained_s, order = resume["step"], resume["trained_s"], list(resume["order"])
+        print(f"train: resuming at step {first} after {trained_s / 60:.2f} minutes", file=sys.stderr)
     cache = cache_target_features(target, seqs, draft.config.target_layer_ids, cfg.batch_size) \
         if cfg.cache_features else None
-    log, t0, tokens = [], time.perf_counter(), 0
-    last_save = t0
+    log, t0 = [], time.perf_counter() - trained_s  # t0: when the schedule's clock started
+    tokens = resume["tokens"] if resume is not None else 0
+    last_save = run_start = time.perf_counter()
     logf = open(log_path, "a") if log_path else None
     draft.train()
-    for step in range(total):
+    for step in range(first, total):
         if cfg.max_minutes is not None and time.perf_counter() - t0 > 60 * cfg.max_minutes:
             print(f"train: stopping at step {step}: --max-minutes {cfg.max_minutes} reached", file=sys.stderr)
+            break
+        if (cfg.stop_minutes is not None and time.perf_counter() - run_start > 60 * cfg.stop_minutes) \
+                or (cfg.stop_step is not None and step >= cfg.stop_step):
+            state = {"optimizer": opt.state_dict(), "generator": gen.get_state(), "step": step, "order": order,
+                     "trained_s": time.perf_counter() - t0, "tokens": tokens}
+            print(f"train: pausing at step {step} after {state['trained_s'] / 60:.2f} minutes of training",
+                  file=sys.stderr)
+            if save_state is not None:
+                save_state(state)
             break
         while len(order) < cfg.batch_size:
             order += torch.randperm(len(seqs), generator=gen).tolist()
