@@ -11,7 +11,7 @@ from torch import Tensor
 from dspark_serve.kernels.dispatch import use_triton
 from dspark_serve.kernels.markov_walk_ref import markov_walk_ref
 from dspark_serve.models.dspark import DSparkDraft
-from dspark_serve.models.nvfp4_linear import NVFP4Linear
+from dspark_serve.models.nvfp4_linear import NVFP4Linear, keep_dense_up_to
 
 from .draft_graphs import DraftGraphs
 from .kv_cache import BlockAllocator, batch_metadata, positions_of
@@ -19,6 +19,7 @@ from .request import Request
 from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
 
+DENSE_NVFP4_MAX_BYTES = 512 << 20  # NVFP4 drafts whose bf16 copies fit keep them for M > 16 (NVFP4Linear.keep_dense)
 
 @dataclass(frozen=True)
 class DraftInput:
@@ -91,6 +92,7 @@ class DraftSide:
         self.device = model.fc.weight.device
         if self.device.type == "cuda":
             model.fuse_projections()
+            keep_dense_up_to(model.modules(), DENSE_NVFP4_MAX_BYTES)  # batches of > 2 requests at bf16 speed
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded rows
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: DraftGraphs | None = None

@@ -120,7 +120,12 @@ def w4a16_dequant_matmul(x: Tensor, packed: Tensor, weight_scale: Tensor, weight
     from . import nvfp4
     unit = torch.ones((), dtype=torch.float32, device=packed.device)
     w = nvfp4.dequantize(packed, weight_scale, unit, torch.bfloat16)                              # [N, K]
-    return (F.linear(x.to(torch.bfloat16), w).float() * weight_scale_2.float()).to(torch.bfloat16)
+    return dense_unit_matmul(x, w, weight_scale_2)
+
+
+def dense_unit_matmul(x: Tensor, dense_unit: Tensor, weight_scale_2: Tensor) -> Tensor:
+    """x [M, K] @ the bf16 temporary [N, K] of w4a16_dequant_matmul (kept by NVFP4Linear.keep_dense) -> bf16."""
+    return (F.linear(x.to(torch.bfloat16), dense_unit).float() * weight_scale_2.float()).to(torch.bfloat16)
 
 
 def w4a16_gemm_ref(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor,

@@ -3,6 +3,8 @@
 Forward runs the fused Triton W4A16 GEMM on CUDA and the dequantize + matmul reference on CPU.
 """
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,10 +47,21 @@ class NVFP4Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)   # [N, K]
 
+    def keep_dense(self, on: bool = True) -> None:
+        """Keep the bf16 temporary of the M > 16 path (code x fp8 scale, exact in bf16) instead of dequantizing it
+        every call: the same result, 2 bytes more per weight. Call again after changing the NVFP4 tensors."""
+        self._dense = nvfp4.dequantize(self.weight, self.weight_scale, torch.ones_like(self.weight_scale_2),
+                                       torch.bfloat16) if on else None
+
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         if x.is_cuda:
-            from dspark_serve.kernels.w4a16_gemm import w4a16_gemm
-            out = w4a16_gemm(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.weight_scale_2)
+            from dspark_serve.kernels.w4a16_gemm import dense_unit_matmul, w4a16_gemm
+            x2 = x.reshape(-1, self.in_features)
+            dense = getattr(self, "_dense", None)
+            if dense is not None and x2.shape[0] > 16:
+                out = dense_unit_matmul(x2, dense, self.weight_scale_2)
+            else:
+                out = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2)
             out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self._cpu_weight(x.dtype), self.bias)
@@ -63,3 +76,15 @@ class NVFP4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4 (group 16)"
+
+
+def keep_dense_up_to(modules: Iterable[nn.Module], max_bytes: int) -> int:
+    """keep_dense() on every NVFP4Linear among `modules` when their bf16 copies fit in `max_bytes` together (a
+    small draft: M > 16 then runs at bf16 speed); -> the bytes kept (0 when they do not fit)."""
+    layers = [m for m in modules if isinstance(m, NVFP4Linear)]
+    need = sum(2 * m.in_features * m.out_features for m in layers)
+    if not layers or need > max_bytes:
+        return 0
+    for m in layers:
+        m.keep_dense()
+    return need

@@ -108,7 +108,8 @@ def quantize_checkpoint(src_dir: str | Path, dst_dir: str | Path, include: Itera
     out = quantize_state_dict(state, names, device)
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json",
+                                                                          "resume.pt"):
             shutil.copy2(f, dst / f.name)
     save_file({k: v.contiguous() for k, v in out.items()}, dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())

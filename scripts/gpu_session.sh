@@ -62,7 +62,7 @@ resume)  # continue the paused scratch run to the end of its schedule, quantize,
     cli quantize /tmp/scratch /tmp/scratch-q --device cpu 2>&1 | tee -a "$OUT/train.log"
     du -b /tmp/scratch-q/* | tee -a "$OUT/train.log"
     cp /tmp/scratch/train_log.jsonl "$OUT/"; split -b 15M /tmp/scratch/model.safetensors "$OUT/bf16.part."
-    tar -cf "$OUT/drafters.tar" -C /tmp scratch/config.json scratch-q ;;
+    rm -rf /tmp/scratch-q/resume.pt; tar -cf "$OUT/drafters.tar" -C /tmp scratch/config.json scratch-q ;;
 eval)  # drafter D on the pair: acceptance (code, prose; T = 0, 1), batch-1 speed vs compiled generate; the shipped one
     timeout 330 python3 bench/bench_pair.py --target $T --draft "${2:?drafter dir}" --sets code prose --temperatures 0 1 \
         --accept-prompts 16 --accept-batch 16 --max-tokens 256 --speed-prompts 8 --hf-baseline \

@@ -127,3 +127,21 @@ def test_nvfp4_linear_cpu_weight_cache_follows_buffer_writes():
     layer.weight.copy_(packed), layer.weight_scale.copy_(scale), layer.weight_scale_2.copy_(scale_2)
     assert torch.equal(layer(x), x @ nvfp4.dequantize(packed, scale, scale_2).T)
     assert torch.equal(layer(x.double()), x.double() @ nvfp4.dequantize(packed, scale, scale_2, torch.float64).T)
+
+
+def test_kept_dense_copy_gives_the_dequant_path_bit_for_bit():
+    """NVFP4Linear.keep_dense: the M > 16 GEMM on the kept bf16 temporary equals dequantizing it per call, and
+    keep_dense_up_to keeps nothing over its byte limit."""
+    from dspark_serve.kernels.w4a16_gemm import dense_unit_matmul, w4a16_dequant_matmul
+    from dspark_serve.models.nvfp4_linear import NVFP4Linear, keep_dense_up_to
+    torch.manual_seed(0)
+    layers = [NVFP4Linear.from_linear(torch.nn.Linear(64, n)) for n in (48, 32)]
+    assert keep_dense_up_to(layers, 2 * 64 * 80 - 1) == 0 and getattr(layers[0], "_dense", None) is None
+    assert keep_dense_up_to(layers + [torch.nn.Linear(4, 4)], 2 * 64 * 80) == 2 * 64 * 80
+    x = torch.randn(40, 64).bfloat16()
+    for q in layers:
+        assert q._dense.dtype == torch.bfloat16 and q._dense.shape == (q.out_features, 64)
+        want = w4a16_dequant_matmul(x, q.weight, q.weight_scale, q.weight_scale_2)
+        assert torch.equal(dense_unit_matmul(x, q._dense, q.weight_scale_2), want)
+        q.keep_dense(False)
+        assert q._dense is None

@@ -115,7 +115,7 @@ def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Te
     first, trained_s = 0, 0.0
     if resume is not None:
         opt.load_state_dict(resume["optimizer"])
-        gen.set_state(resume["generator"])
+        gen.set_state(resume["generator"].cpu())  # torch.load may have mapped it to the GPU
         first, trained_s, order = resume["step"], resume["trained_s"], list(resume["order"])
         print(f"train: resuming at step {first} after {trained_s / 60:.2f} minutes", file=sys.stderr)
     cache = cache_target_features(target, seqs, draft.config.target_layer_ids, cfg.batch_size) \

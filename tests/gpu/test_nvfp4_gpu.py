@@ -111,3 +111,12 @@ def test_nvfp4_linear_cuda_matches_cpu():
     cpu = q(x)
     gpu = q.to(DEV)(x.to(DEV, torch.bfloat16)).float().cpu()
     assert _rel(gpu, cpu.double()) <= 1e-2
+
+
+def test_kept_dense_copy_on_gpu():
+    """M > 16 through the kept bf16 copy equals the per-call dequantize path exactly; M <= 16 still takes the GEMV."""
+    q = NVFP4Linear.from_linear(torch.nn.Linear(512, 96)).to(DEV)
+    x = torch.randn(40, 512, device=DEV, dtype=torch.bfloat16)
+    before, small = q(x), q(x[:3])
+    q.keep_dense()
+    assert torch.equal(q(x), before) and torch.equal(q(x[:3]), small)
