@@ -123,7 +123,7 @@ def phases(draft, target, seqs, cached, num_anchors, gen) -> dict[str, float]:
     return marks
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--markov-rank", type=int, nargs="+", default=[8, 16])
@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (fp32, keep --batch-size and anchors small)")
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = torch.device(args.device)
     target = random_target(args.device, torch.bfloat16 if dev.type == "cuda" else torch.float32)
     seqs = sequences(4 * args.batch_size)

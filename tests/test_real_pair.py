@@ -30,7 +30,8 @@ def test_shipped_drafter_is_small_and_nvfp4():
     assert cfg["quantization_config"]["quant_method"] == "modelopt"
 
 
-def test_real_pair_greedy_is_lossless_and_tau_above_2():
+def test_real_pair_greedy_is_lossless_and_tau_above_3():
+    """Issue 7's bar is tau > 2 here and >= 3 on the full held-out code set; these 6 prompts x 64 tokens give 3.47."""
     prompts = [CHAT_TEMPLATE.format(json.loads(line)["prompt"]) for line in HELDOUT.read_text().splitlines()[:6]]
     params = SamplingParams(temperature=0.0, max_tokens=64)
     kw = dict(device="cpu", dtype=torch.float32, num_kv_blocks=512, max_num_seqs=len(prompts))
@@ -41,7 +42,7 @@ def test_real_pair_greedy_is_lossless_and_tau_above_2():
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     steps = sum(o.stats["steps"] for o in spec)
     tau = (steps + sum(o.stats["accepted"] for o in spec)) / steps
-    assert tau > 2.0, tau
+    assert tau > 3.0, tau
 
 
 def test_demo_command_streams_through_the_service():
