@@ -19,7 +19,8 @@ from .request import Request
 from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
 
-DENSE_NVFP4_MAX_BYTES = 512 << 20  # NVFP4 drafts whose bf16 copies fit keep them for M > 16 (NVFP4Linear.keep_dense)
+DENSE_NVFP4_MAX_BYTES = 512 << 20  # NVFP4 drafts whose bf16 copies fit keep them (NVFP4Linear.keep_dense) ...
+DENSE_NVFP4_MIN_ROWS = 17  # ... and use them from this many rows on
 
 @dataclass(frozen=True)
 class DraftInput:
@@ -92,7 +93,7 @@ class DraftSide:
         self.device = model.fc.weight.device
         if self.device.type == "cuda":
             model.fuse_projections()
-            keep_dense_up_to(model.modules(), DENSE_NVFP4_MAX_BYTES)  # batches of > 2 requests at bf16 speed
+            keep_dense_up_to(model.modules(), DENSE_NVFP4_MAX_BYTES, DENSE_NVFP4_MIN_ROWS)
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded rows
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: DraftGraphs | None = None

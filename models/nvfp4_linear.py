@@ -47,18 +47,20 @@ class NVFP4Linear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)   # [N, K]
 
-    def keep_dense(self, on: bool = True) -> None:
+    def keep_dense(self, on: bool = True, min_rows: int = 17) -> None:
         """Keep the bf16 temporary of the M > 16 path (code x fp8 scale, exact in bf16) instead of dequantizing it
-        every call: the same result, 2 bytes more per weight. Call again after changing the NVFP4 tensors."""
+        every call, and use it from `min_rows` rows on (the same result as that path, 2 bytes more per weight).
+        Call again after changing the NVFP4 tensors."""
         self._dense = nvfp4.dequantize(self.weight, self.weight_scale, torch.ones_like(self.weight_scale_2),
                                        torch.bfloat16) if on else None
+        self._dense_min_rows = min_rows
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         if x.is_cuda:
             from dspark_serve.kernels.w4a16_gemm import dense_unit_matmul, w4a16_gemm
             x2 = x.reshape(-1, self.in_features)
             dense = getattr(self, "_dense", None)
-            if dense is not None and x2.shape[0] > 16:
+            if dense is not None and x2.shape[0] >= self._dense_min_rows:
                 out = dense_unit_matmul(x2, dense, self.weight_scale_2)
             else:
                 out = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2)
@@ -78,13 +80,14 @@ class NVFP4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4 (group 16)"
 
 
-def keep_dense_up_to(modules: Iterable[nn.Module], max_bytes: int) -> int:
-    """keep_dense() on every NVFP4Linear among `modules` when their bf16 copies fit in `max_bytes` together (a
-    small draft: M > 16 then runs at bf16 speed); -> the bytes kept (0 when they do not fit)."""
+def keep_dense_up_to(modules: Iterable[nn.Module], max_bytes: int, min_rows: int = 17) -> int:
+    """keep_dense(min_rows=min_rows) on every NVFP4Linear among `modules` when their bf16 copies fit in
+    `max_bytes` together (a small draft then runs at bf16 speed from min_rows rows on); -> the bytes kept (0 when
+    they do not fit)."""
     layers = [m for m in modules if isinstance(m, NVFP4Linear)]
     need = sum(2 * m.in_features * m.out_features for m in layers)
     if not layers or need > max_bytes:
         return 0
     for m in layers:
-        m.keep_dense()
+        m.keep_dense(min_rows=min_rows)
     return need

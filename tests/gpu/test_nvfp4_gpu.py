@@ -120,3 +120,6 @@ def test_kept_dense_copy_on_gpu():
     before, small = q(x), q(x[:3])
     q.keep_dense()
     assert torch.equal(q(x), before) and torch.equal(q(x[:3]), small)
+    from dspark_serve.kernels.w4a16_gemm import dense_unit_matmul
+    q.keep_dense(min_rows=2)   # M = 3 now takes the copy too
+    assert torch.equal(q(x[:3]), dense_unit_matmul(x[:3], q._dense, q.weight_scale_2) + q.bias)
