@@ -1,17 +1,13 @@
 """bench/bench_gpu.py on tiny shapes on CPU: the GPU harness's code path (static and eager target steps, draft
 blocks in bf16 and NVFP4) stays runnable where CI can see it."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_gpu.py"
+from bench_scripts import load_bench
 
 
 def test_bench_gpu_tiny_runs_and_reports(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("bench_gpu")
     out = tmp_path / "r.json"
     mod.main(["--tiny", "--device", "cpu", "--json", str(out)])
     r = json.loads(out.read_text())
