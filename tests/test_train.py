@@ -269,8 +269,10 @@ def test_paused_and_resumed_run_equals_one_run(tmp_path, capsys):
     assert len((two / "train_log.jsonl").read_text().splitlines()) == 3
     with pytest.raises(SystemExit):
         train_main(common + ["--out", str(two), "--resume", str(one)])  # no resume.pt there
+    assert (two / "resume.pt").is_file()
     assert train_main(common + ["--out", str(two), "--resume", str(two)]) == 0
     assert "train: resuming at step 3" in capsys.readouterr().err
+    assert not (two / "resume.pt").exists()  # finished: nothing left to resume
     logs = [[json.loads(line) for line in (d / "train_log.jsonl").read_text().splitlines()] for d in (one, two)]
     assert [r["step"] for r in logs[1]] == list(range(6))
     assert [(r["lr"], r["loss"]) for r in logs[0]] == [(r["lr"], r["loss"]) for r in logs[1]]

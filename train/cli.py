@@ -153,12 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     def checkpoint(step: int) -> None:
         save(copy.deepcopy(draft))
         print(f"train-draft: step {step}: wrote {out}", file=sys.stderr)
+    paused = []
+
     def save_state(state: dict) -> None:
         weights = {n: p.detach().clone() for n, p in draft.named_parameters() if p.requires_grad}
         torch.save({"trainer": state, "weights": weights}, out / "resume.pt")
+        paused.append(True)
         print(f"train-draft: wrote {out / 'resume.pt'}; continue with --resume {out}", file=sys.stderr)
     log = train(draft, target, seqs, cfg, out / "train_log.jsonl", checkpoint,
                 resume["trainer"] if resume is not None else None, save_state)
+    if not paused:  # a finished run leaves nothing to resume
+        (out / "resume.pt").unlink(missing_ok=True)
     save(draft)
     if log:
         print(f"train-draft: loss {log[0]['loss']:.4f} -> {log[-1]['loss']:.4f}; wrote {out}", file=sys.stderr)
