@@ -280,6 +280,38 @@ def test_paused_and_resumed_run_equals_one_run(tmp_path, capsys):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_held_out_sequences_are_reported_and_never_trained_on(tmp_path, capsys):
+    """--val-sequences: a seeded split, val_* records every --val-every steps and at the end; the held-out loss
+    does not depend on what the training batches were, only on the weights."""
+    from dspark_serve.train.trainer import split_validation
+    keep, held = split_validation(10, 3, seed=0)
+    assert len(held) == 3 and sorted(keep + held) == list(range(10)) and split_validation(10, 3, 0) == (keep, held)
+    with pytest.raises(ValueError, match=r"--val-sequences must be in \[0, 9\]"):
+        split_validation(10, 10, 0)
+    target, _ = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.float32)
+    target_dir = save_target(target, tmp_path / "target")
+    rng = random.Random(3)
+    rows = [{"prompt_ids": [rng.randrange(250) for _ in range(4)],
+             "response_ids": [rng.randrange(250) for _ in range(rng.randint(8, 14))]} for _ in range(8)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "d"
+    args = ["--target", str(target_dir), "--device", "cpu", "--data-format", "ids", "--responses", str(data),
+            "--draft-layers", "1", "--block-size", "4", "--markov-rank", "16", "--steps", "4", "--batch-size", "2",
+            "--num-anchors", "4", "--lr", "3e-3", "--no-shared-copies", "--val-sequences", "2", "--val-every", "2",
+            "--out", str(out)]
+    assert train_main(args) == 0
+    recs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    val = [r for r in recs if "val_loss" in r]
+    assert [r["step"] for r in val] == [1, 3, 3]  # every 2 steps, then at the end
+    assert val[1]["val_loss"] == pytest.approx(val[2]["val_loss"], rel=1e-6)  # same weights, same anchors
+    assert val[2]["val_loss"] < val[0]["val_loss"]
+    assert len([r for r in recs if "loss" in r]) == 4
+    assert "held-out (2 sequences)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--val-sequences"):
+        train_main(args + ["--val-sequences", "8"])  # all 8 held out: nothing left to train on
+
+
 def test_resume_draft_leaves_the_targets_shared_modules_alone(tmp_path):
     """A bf16 target with a draft continued in fp32: the draft's embedding / lm_head stay the target's, in bf16."""
     target, draft = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.bfloat16)

@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-feature-cache", action="store_true",
                    help="recompute target features every step instead of keeping them in memory")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--val-sequences", type=int, default=0,
+                   help="hold this many sequences out of training and report their loss (train_log.jsonl: val_*)")
+    p.add_argument("--val-every", type=int, default=0, help="... every this many steps (default: at the end only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     return p
@@ -137,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                       max_minutes=args.max_minutes, stop_minutes=args.stop_after_minutes,
                       stop_step=args.stop_after_steps,
                       save_every_minutes=args.save_every_minutes,
-                      cache_features=not args.no_feature_cache, log_every=args.log_every, seed=args.seed)
+                      cache_features=not args.no_feature_cache, log_every=args.log_every, seed=args.seed,
+                      val_sequences=args.val_sequences, val_every=args.val_every)
     dc = draft.config
     print(f"train-draft: draft {dc.layers.num_layers} layers, block {dc.block_size}, target layers "
           f"{list(dc.target_layer_ids)}, mask id {dc.mask_token_id}"

@@ -40,6 +40,8 @@ class TrainConfig:
     cache_features: bool = True  # run the target once per sequence (else once per step: no memory, more compute)
     gamma: float = 4.0
     log_every: int = 10
+    val_sequences: int = 0  # hold this many sequences out of training and report their loss ...
+    val_every: int = 0  # ... every this many steps (0: at the end only)
     seed: int = 0
 
 
@@ -98,6 +100,37 @@ def train_step(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[tor
                        target_index=index)
 
 
+def split_validation(n: int, val_sequences: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices) of n sequences: a seeded choice, the same on every run and resume."""
+    if not 0 <= val_sequences < n:
+        raise ValueError(f"--val-sequences must be in [0, {n - 1}] for {n} sequences, got {val_sequences}")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    return sorted(perm[val_sequences:]), sorted(perm[:val_sequences])
+
+
+@torch.no_grad()
+def evaluate(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Tensor, torch.Tensor]],
+             cached: list[Features] | None, cfg: TrainConfig) -> dict[str, float]:
+    """The loss parts over held-out sequences, anchors drawn the same way every time (weighted by position
+    weights, like training)."""
+    gen = torch.Generator().manual_seed(cfg.seed + 2)
+    sums, weight = {"val_loss": 0.0, "val_ce": 0.0, "val_tv": 0.0, "val_acc": 0.0}, 0.0
+    was_training = draft.training
+    draft.eval()
+    for i in range(0, len(seqs), cfg.batch_size):
+        parts = train_step(draft, target, seqs[i:i + cfg.batch_size], cfg.num_anchors, cfg.gamma, gen,
+                           cached[i:i + cfg.batch_size] if cached is not None else None)
+        if parts is None:
+            continue
+        w = float(parts.weight)
+        for key, t in (("val_loss", parts.total), ("val_ce", parts.ce), ("val_tv", parts.tv),
+                       ("val_acc", parts.accuracy)):
+            sums[key] += w * float(t)
+        weight += w
+    draft.train(was_training)
+    return {k: v / weight for k, v in sums.items()} if weight else {}
+
+
 def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Tensor, torch.Tensor]],
           cfg: TrainConfig, log_path: Path | None = None,
           checkpoint: Callable[[int], None] | None = None, resume: dict | None = None,
@@ -108,8 +141,6 @@ def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Te
     params = freeze_shared(draft)
     target.requires_grad_(False)
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    per_epoch = max(1, math.ceil(len(seqs) / cfg.batch_size))
-    total = cfg.steps or max(1, int(round(cfg.epochs * per_epoch)))
     gen = torch.Generator().manual_seed(cfg.seed)
     order: list[int] = []
     first, trained_s = 0, 0.0
@@ -118,8 +149,16 @@ def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Te
         gen.set_state(resume["generator"].cpu())  # torch.load may have mapped it to the GPU
         first, trained_s, order = resume["step"], resume["trained_s"], list(resume["order"])
         print(f"train: resuming at step {first} after {trained_s / 60:.2f} minutes", file=sys.stderr)
+    keep, held = split_validation(len(seqs), cfg.val_sequences, cfg.seed)  # checked before the target pass
     cache = cache_target_features(target, seqs, draft.config.target_layer_ids, cfg.batch_size) \
         if cfg.cache_features else None
+    val_seqs, val_cache = [], None
+    if held:
+        val_seqs, seqs = [seqs[i] for i in held], [seqs[i] for i in keep]
+        if cache is not None:
+            val_cache, cache = [cache[i] for i in held], [cache[i] for i in keep]
+    per_epoch = max(1, math.ceil(len(seqs) / cfg.batch_size))
+    total = cfg.steps or max(1, int(round(cfg.epochs * per_epoch)))
     log, t0 = [], time.perf_counter() - trained_s  # t0: when the schedule's clock started
     tokens = resume["tokens"] if resume is not None else 0
     last_save = run_start = time.perf_counter()
@@ -168,7 +207,20 @@ def train(draft: DSparkDraft, target: QwenForCausalLM, seqs: list[tuple[torch.Te
         if step % cfg.log_every == 0 or step == total - 1:
             print(f"step {step}/{total} lr {lr:.2e} loss {rec['loss']:.4f} ce {rec['ce']:.4f} tv {rec['tv']:.4f} "
                   f"conf {rec['conf']:.4f} acc {rec['acc']:.3f} tok/s {rec['tokens_per_s']:.0f}", file=sys.stderr)
+        if val_seqs and cfg.val_every and (step + 1) % cfg.val_every == 0:
+            _report_validation(draft, target, val_seqs, val_cache, cfg, step, logf)
+    if val_seqs and log:
+        _report_validation(draft, target, val_seqs, val_cache, cfg, log[-1]["step"], logf)
     if logf:
         logf.close()
     draft.eval()
     return log
+
+
+def _report_validation(draft: DSparkDraft, target: QwenForCausalLM, seqs: list, cached: list | None,
+                       cfg: TrainConfig, step: int, logf) -> None:
+    rec = {"step": step, **evaluate(draft, target, seqs, cached, cfg)}
+    if logf:
+        logf.write(json.dumps(rec) + "\n")
+    print(f"step {step} held-out ({len(seqs)} sequences): loss {rec.get('val_loss', float('nan')):.4f} "
+          f"tv {rec.get('val_tv', float('nan')):.4f} acc {rec.get('val_acc', float('nan')):.3f}", file=sys.stderr)
