@@ -31,3 +31,19 @@ def test_code_prompts_skip_undocumented_functions(tmp_path):
                                    '    return 2 * y\n')
     rows = code_prompts(tmp_path, 10)
     assert [r["prompt"] for r in rows] == ['def b(y):\n    """Double y, the long way round."""\n']
+
+
+def test_exclude_keeps_earlier_held_out_prompts_out_and_repeats_are_dropped(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    body = 'def f{i}(x):\n    """Return x plus {i}, a documented helper number {i}."""\n    return x + {i}\n\n\n'
+    (src / "a.py").write_text("".join(body.format(i=i) for i in range(30)))
+    (src / "b.py").write_text(body.format(i=3) + body.format(i=4))  # the same two functions again
+    assert main(["--python-src", str(src), "--out", str(tmp_path / "one"), "--heldout", "5"]) == 0
+    held = [json.loads(x)["prompt"] for x in (tmp_path / "one" / "heldout_code.jsonl").read_text().splitlines()]
+    train = [json.loads(x)["prompt"] for x in (tmp_path / "one" / "train.jsonl").read_text().splitlines()]
+    assert len(held) == 5 and len(train) == 25  # 32 functions, 30 distinct
+    assert main(["--python-src", str(src), "--out", str(tmp_path / "two"), "--heldout", "0",
+                 "--exclude", str(tmp_path / "one" / "heldout_code.jsonl")]) == 0
+    again = [json.loads(x)["prompt"] for x in (tmp_path / "two" / "train.jsonl").read_text().splitlines()]
+    assert len(again) == 25 and not set(again) & set(held)

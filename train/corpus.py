@@ -2,7 +2,8 @@
 (a function's signature and docstring: "complete this function"), prose prompts from text paragraphs.
 
 usage: python -m dspark_serve.train.corpus --python-src /usr/lib/python3.11 --text wiki.txt --out corpus/
-writes train.jsonl and the held-out heldout_code.jsonl / heldout_prose.jsonl (each row: {"prompt", "kind", "source"}).
+writes train.jsonl and the held-out heldout_code.jsonl / heldout_prose.jsonl (each row: {"prompt", "kind", "source"});
+repeated prompts are dropped, and `--exclude old/heldout_code.jsonl` keeps an earlier held-out set out of a new corpus.
 """
 
 from __future__ import annotations
@@ -57,6 +58,21 @@ def _dedent(text: str) -> str:
     return "\n".join(ln[pad:] for ln in lines)
 
 
+def _key(prompt: str) -> str:
+    return " ".join(prompt.split())
+
+
+def dedupe(rows: list[dict], exclude: set[str]) -> list[dict]:
+    """rows without repeats and without any prompt in `exclude` (both compared with whitespace collapsed)."""
+    seen, out = set(exclude), []
+    for r in rows:
+        k = _key(r["prompt"])
+        if k not in seen:
+            seen.add(k)
+            out.append(r)
+    return out
+
+
 def split(rows: list[dict], heldout: int, seed: int) -> tuple[list[dict], list[dict]]:
     rows = list(rows)
     random.Random(seed).shuffle(rows)
@@ -71,10 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-code", type=int, default=20000)
     ap.add_argument("--max-prose", type=int, default=10000)
     ap.add_argument("--heldout", type=int, default=64, help="held-out prompts per kind")
+    ap.add_argument("--exclude", action="append", default=[],
+                    help="a .jsonl of prompts (e.g. earlier held-out sets) to leave out everywhere (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    code = [r for d in args.python_src for r in code_prompts(d, args.max_code)][:args.max_code]
-    prose = [r for f in args.text for r in prose_prompts(f, args.max_prose)][:args.max_prose]
+    exclude = {_key(r["prompt"]) for f in args.exclude for r in map(json.loads, Path(f).read_text().splitlines())
+               if isinstance(r, dict) and isinstance(r.get("prompt"), str)}
+    code = dedupe([r for d in args.python_src for r in code_prompts(d, args.max_code)], exclude)[:args.max_code]
+    prose = dedupe([r for f in args.text for r in prose_prompts(f, args.max_prose)], exclude)[:args.max_prose]
     if not code and not prose:
         raise SystemExit("corpus: no prompts found (give --python-src and/or --text)")
     code_train, code_held = split(code, args.heldout, args.seed)
