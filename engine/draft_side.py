@@ -20,7 +20,8 @@ from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
 
 DENSE_NVFP4_MAX_BYTES = 512 << 20  # NVFP4 drafts whose bf16 copies fit keep them (NVFP4Linear.keep_dense) ...
-DENSE_NVFP4_MIN_ROWS = 17  # ... and use them from this many rows on
+DENSE_NVFP4_MIN_ROWS = 17  # ... and use them from this many rows on (measured: the GEMV wins at the draft's 7)
+
 
 @dataclass(frozen=True)
 class DraftInput:
