@@ -248,20 +248,24 @@ def test_regenerate_only_then_train_from_responses(tmp_path, capsys):
         train_main(common + ["--out", str(out)])  # neither --data nor --responses
 
 
+def _responses_run(tmp_path, seed: int, num: int, prompt_len: int, response_len: tuple[int, int]) -> list[str]:
+    """A tiny saved target and `num` random prompt/response rows -> train-draft arguments for a 1-layer draft."""
+    target, _ = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.float32)
+    target_dir = save_target(target, tmp_path / "target")
+    rng = random.Random(seed)
+    rows = [{"prompt_ids": [rng.randrange(250) for _ in range(prompt_len)],
+             "response_ids": [rng.randrange(250) for _ in range(rng.randint(*response_len))]} for _ in range(num)]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["--target", str(target_dir), "--device", "cpu", "--data-format", "ids", "--responses", str(data),
+            "--draft-layers", "1", "--block-size", "4", "--markov-rank", "16", "--batch-size", "2",
+            "--num-anchors", "4", "--no-shared-copies"]
+
+
 def test_paused_and_resumed_run_equals_one_run(tmp_path, capsys):
     """--stop-after-steps then --resume: the same weights, log and schedule as one uninterrupted run."""
     from safetensors.torch import load_file
-    target, _ = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.float32)
-    target_dir = save_target(target, tmp_path / "target")
-    rng = random.Random(2)
-    rows = [{"prompt_ids": [rng.randrange(250) for _ in range(5)],
-             "response_ids": [rng.randrange(250) for _ in range(rng.randint(6, 14))]} for _ in range(6)]
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = ["--target", str(target_dir), "--device", "cpu", "--data-format", "ids", "--responses", str(data),
-              "--draft-layers", "1",
-              "--block-size", "4", "--markov-rank", "16", "--steps", "6", "--batch-size", "2", "--num-anchors", "4",
-              "--no-shared-copies"]
+    common = _responses_run(tmp_path, seed=2, num=6, prompt_len=5, response_len=(6, 14)) + ["--steps", "6"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert train_main(common + ["--out", str(one)]) == 0
     assert train_main(common + ["--out", str(two), "--stop-after-steps", "3"]) == 0
@@ -288,18 +292,9 @@ def test_held_out_sequences_are_reported_and_never_trained_on(tmp_path, capsys):
     assert len(held) == 3 and sorted(keep + held) == list(range(10)) and split_validation(10, 3, 0) == (keep, held)
     with pytest.raises(ValueError, match=r"--val-sequences must be in \[0, 9\]"):
         split_validation(10, 10, 0)
-    target, _ = tiny_pair(0, vocab=256, agree=0.1, dtype=torch.float32)
-    target_dir = save_target(target, tmp_path / "target")
-    rng = random.Random(3)
-    rows = [{"prompt_ids": [rng.randrange(250) for _ in range(4)],
-             "response_ids": [rng.randrange(250) for _ in range(rng.randint(8, 14))]} for _ in range(8)]
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "d"
-    args = ["--target", str(target_dir), "--device", "cpu", "--data-format", "ids", "--responses", str(data),
-            "--draft-layers", "1", "--block-size", "4", "--markov-rank", "16", "--steps", "4", "--batch-size", "2",
-            "--num-anchors", "4", "--lr", "3e-3", "--no-shared-copies", "--val-sequences", "2", "--val-every", "2",
-            "--out", str(out)]
+    args = _responses_run(tmp_path, seed=3, num=8, prompt_len=4, response_len=(8, 14)) + [
+        "--steps", "4", "--lr", "3e-3", "--val-sequences", "2", "--val-every", "2", "--out", str(out)]
     assert train_main(args) == 0
     recs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     val = [r for r in recs if "val_loss" in r]
