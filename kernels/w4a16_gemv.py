@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .e2m1_prmt import e2m1_scaled_bf16
 from .nvfp4_triton import fp8e4m3_to_f32
 from .nvfp4_ref import check_packed
 from .w4a16_gemv_words import gemv_words
@@ -30,13 +31,14 @@ from .w4a16_gemv_words import gemv_words
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int
-    block_k: int          # logical K per step; a multiple of 32
+    block_k: int          # logical K per step; a power of 2, >= 32
     split_k: int = 1
     use_dot: bool = False
     num_warps: int = 4
     num_stages: int = 3
     join: bool = True     # M == 1 path: x loaded contiguous, codes interleaved with tl.join (else [BN, G, 8] tiles)
     words: bool = False   # the int32-word CUDA-core kernel (w4a16_gemv_words.py) for any M <= 16; use_dot, join unused
+    prmt: bool = False    # tensor-core path on CUDA: decode with the inline-PTX byte tables of e2m1_prmt.py
 
 
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
@@ -89,9 +91,10 @@ def _store_row(acc, scale_2_ptr, out_ptr, pid_n, N, BLOCK_N: tl.constexpr, SPLIT
 
 
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_2_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_bf16_ptr, scale_2_ptr, out_ptr, M, N, K, stride_xm, stride_om,
                        K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, JOIN: tl.constexpr):
+                       USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, JOIN: tl.constexpr, PRMT: tl.constexpr,
+                       EVEN_K: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
     G: tl.constexpr = BLOCK_K // 16
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -101,20 +104,30 @@ def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_2_ptr, out_ptr, M, N,
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]                # [BN, 1]
         pair = tl.arange(0, HALF)[None, :]                                     # [1, BK/2]
         grp = tl.arange(0, G)[None, :]                                         # [1, G]
-        pair_t = tl.arange(0, HALF)[:, None]                                   # [BK/2, 1]
+        kk = tl.arange(0, BLOCK_K)[None, :]                                    # [1, BK]
+        mm = tl.arange(0, 16)[:, None]                                         # [16, 1]
         ms = tl.arange(0, 16)[None, :]                                         # [1, 16]
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            kmask = k0 + 2 * pair < k_hi
-            b = tl.load(packed_ptr + rows * (K // 2) + k0 // 2 + pair, mask=(rows < N) & kmask, other=0)
-            b = b.to(tl.int32)                                                 # [BN, BK/2]
-            s = fp8e4m3_to_f32(tl.load(scale_ptr + rows * (K // 16) + k0 // 16 + grp,
-                                       mask=(rows < N) & (k0 + 16 * grp < k_hi), other=0))   # [BN, G]
-            w_lo = tl.reshape(tl.reshape(e2m1_value(b), (BLOCK_N, G, 8)) * s[:, :, None], (BLOCK_N, HALF))
-            w_hi = tl.reshape(tl.reshape(e2m1_value(b >> 4), (BLOCK_N, G, 8)) * s[:, :, None], (BLOCK_N, HALF))
-            xmask = (ms < M) & (k0 + 2 * pair_t < k_hi)
-            x_even = tl.load(x_ptr + ms * stride_xm + k0 + 2 * pair_t, mask=xmask, other=0.0)       # [BK/2, 16]
-            x_odd = tl.load(x_ptr + ms * stride_xm + k0 + 2 * pair_t + 1, mask=xmask, other=0.0)
+            if EVEN_K:                                                         # no K masks: vector loads
+                bmask, smask, xmask = rows < N, rows < N, mm < M
+            else:
+                bmask = (rows < N) & (k0 + 2 * pair < k_hi)
+                smask = (rows < N) & (k0 + 16 * grp < k_hi)
+                xmask = (mm < M) & (k0 + kk < k_hi)
+            b = tl.load(packed_ptr + rows * (K // 2) + k0 // 2 + pair, mask=bmask, other=0)          # [BN, BK/2]
+            if PRMT:                                                           # bf16 code * scale, exact
+                s = tl.load(scale_bf16_ptr + rows * (K // 16) + k0 // 16 + grp, mask=smask, other=0.0)
+                s8 = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, G, 8)), (BLOCK_N, HALF))
+                w_lo, w_hi = e2m1_scaled_bf16(b, s8)                           # [BN, BK/2] each
+            else:
+                s = fp8e4m3_to_f32(tl.load(scale_ptr + rows * (K // 16) + k0 // 16 + grp, mask=smask, other=0))
+                b = b.to(tl.int32)
+                w_lo = tl.reshape(tl.reshape(e2m1_value(b), (BLOCK_N, G, 8)) * s[:, :, None], (BLOCK_N, HALF))
+                w_hi = tl.reshape(tl.reshape(e2m1_value(b >> 4), (BLOCK_N, G, 8)) * s[:, :, None], (BLOCK_N, HALF))
+            xv = tl.load(x_ptr + mm * stride_xm + k0 + kk, mask=xmask, other=0.0)                   # [16, BK]
+            x_even, x_odd = tl.split(tl.reshape(xv, (16, HALF, 2)))
+            x_even, x_odd = tl.trans(x_even), tl.trans(x_odd)                  # [BK/2, 16]
             if DOT_F32:
                 acc += tl.dot(w_lo, x_even.to(tl.float32))
                 acc += tl.dot(w_hi, x_odd.to(tl.float32))
@@ -164,10 +177,11 @@ def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_2_ptr, out_ptr, M, N,
 
 
 def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor,
-               config: GemvConfig | None = None) -> Tensor:
+               config: GemvConfig | None = None, scale_bf16: Tensor | None = None) -> Tensor:
     """x [M, K] (M <= 16) @ dequant(packed [N, K/2], weight_scale [N, K/16], weight_scale_2).T -> [M, N] bf16.
 
-    Same semantics as `w4a16_gemm_ref`; a CPU tensor needs TRITON_INTERPRET=1.
+    Same semantics as `w4a16_gemm_ref`; a CPU tensor needs TRITON_INTERPRET=1. scale_bf16 (weight_scale as bf16,
+    exact) is what the PRMT tensor-core path reads; a caller that owns the weight keeps one, else it is made here.
     """
     n, k = check_packed(packed, weight_scale, weight_scale_2)
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -183,8 +197,8 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
             raise ValueError(f"bad GemvConfig {cfg} for K = {k}: words needs a power-of-2 block_k >= 64, K % 16 == 0")
         return gemv_words(x, packed, weight_scale, weight_scale_2, cfg.block_n, cfg.block_k, cfg.split_k,
                           cfg.num_warps, cfg.num_stages)
-    if cfg.block_k % 32 or (cfg.use_dot and cfg.block_n < 16):
-        raise ValueError(f"bad GemvConfig {cfg}")
+    if cfg.block_k % 32 or cfg.block_k & (cfg.block_k - 1) or (cfg.use_dot and cfg.block_n < 16):
+        raise ValueError(f"bad GemvConfig {cfg}: block_k must be a power of 2 >= 32, tensor cores need block_n >= 16")
     use_dot = cfg.use_dot or m > 1
     dot_f32 = not x.is_cuda or x.dtype == torch.float32
     if x.dtype == torch.float16 and use_dot and not dot_f32:
@@ -195,9 +209,15 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
                                                        dtype=torch.float32 if split > 1 else torch.bfloat16)
     if m == 0 or n == 0:
         return out.to(torch.bfloat16)
+    prmt = use_dot and cfg.prmt
+    if prmt and scale_bf16 is None:
+        scale_bf16 = weight_scale.to(torch.bfloat16)
     grid = (triton.cdiv(n, cfg.block_n), split)
-    _w4a16_gemv_kernel[grid](x, packed, weight_scale.view(torch.uint8), weight_scale_2.float().reshape(1), out,
+    _w4a16_gemv_kernel[grid](x, packed, weight_scale.view(torch.uint8), scale_bf16 if prmt else weight_scale.view(torch.uint8),
+                             weight_scale_2.float().reshape(1), out,
                              m, n, k, x.stride(0), out.stride(0), k_per_split,
                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot,
-                             DOT_F32=dot_f32, JOIN=cfg.join, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                             DOT_F32=dot_f32, JOIN=cfg.join,
+                             PRMT=prmt and not dot_f32,
+                             EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(torch.bfloat16) if split > 1 else out

@@ -11,60 +11,25 @@ switched on.
 
 import pytest
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
+from bench_scripts import load_bench
 from dspark_serve.kernels import fused_ops, paged_attention_triton as pat
 from dspark_serve.kernels.attention import AttentionMetadata
 
-_PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32",
-        torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
+sass_loop = load_bench("sass_loop")
 
 
-def _type(v) -> str:
-    if isinstance(v, torch.Tensor):
-        return _PTR[v.dtype]
-    if isinstance(v, bool):
-        return "i1"
-    if isinstance(v, int):
-        return "i32" if -2 ** 31 <= v < 2 ** 31 else "i64"
-    if isinstance(v, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(v).__name__}")
-
-
-def compile_launches(monkeypatch, module, names: tuple[str, ...], call) -> dict[str, int]:
-    """Run call() with the kernels module.<name> recording their launches, then compile each launch for sm_90;
-    -> launches per kernel."""
-    fns, launches = {n: getattr(module, n) for n in names}, []
-
-    class Recorder:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.name, args, kw))
-    for n in names:
-        monkeypatch.setattr(module, n, Recorder(n))
-    call()
-    monkeypatch.undo()
-    for name, args, kw in launches:
-        fn = fns[name]
-        arg_names = fn.arg_names
-        constexprs = {k: v for k, v in kw.items() if k in arg_names}
-        options = {k: v for k, v in kw.items() if k not in arg_names}
-        if "LIBDEVICE" in constexprs:
-            constexprs["LIBDEVICE"] = True  # what a CUDA tensor selects
-        if "DOT_F32" in constexprs:
-            constexprs["DOT_F32"] = args[0].dtype == torch.float32
-        signature = {n: _type(v) for n, v in zip(arg_names, args)}
-        signature.update({n: "constexpr" for n in constexprs})
-        src = ASTSource(fn=fn, signature=signature,
-                        constexprs={(arg_names.index(k),): v for k, v in constexprs.items()})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+def compile_launches(monkeypatch, module, names: tuple[str, ...], call, cuda: dict | None = None) -> dict[str, int]:
+    """Run call() with the kernels module.<name> recording their launches, then compile each launch for sm_90 with
+    Triton's own argument specialization; -> launches per kernel. cuda: constexprs as a CUDA tensor sets them."""
+    launches = sass_loop.record_launches(module, names, call)
+    for fn, args, kw in launches:
+        fixed = {"LIBDEVICE": True, **(cuda or {})}                  # what a CUDA tensor selects
+        if "DOT_F32" in kw:
+            fixed["DOT_F32"] = args[0].dtype == torch.float32
+        kernel = sass_loop.compile_sm90(fn, args, kw, fixed)
         assert kernel.asm["cubin"]
-    return {n: sum(name == n for name, _, _ in launches) for n in names}
+    return {n: sum(fn is getattr(module, n) for fn, _, _ in launches) for n in names}
 
 
 @pytest.mark.parametrize("store", [False, True])
@@ -121,3 +86,31 @@ def test_distill_loss_compiles(monkeypatch, dtype):
         ce, l1, _ = dl.distill_rows(z, t, row, labels)
         (ce.sum() + l1.sum()).backward()
     assert compile_launches(monkeypatch, dl, names, call) == {n: 1 for n in names}
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("prmt", [False, True])
+def test_w4a16_gemv_compiles(monkeypatch, m, prmt):
+    """The M <= 16 GEMV paths: tensor cores with the integer or the inline-PTX (prmt) decode, and the word kernel;
+    ptxas checks the PTX of e2m1_prmt here."""
+    from dspark_serve.kernels import w4a16_gemv as g, w4a16_gemv_words as gw
+    n, k = 96, 512
+    x, packed = torch.randn(m, k).bfloat16(), torch.zeros(n, k // 2, dtype=torch.uint8)
+    scale, scale_2 = torch.ones(n, k // 16).to(torch.float8_e4m3fn), torch.ones(())
+    cfg = g.GemvConfig(64, 256, 2, True, num_warps=4, join=False, prmt=prmt)
+    kernel = "_w4a16_gemv_kernel"
+    assert compile_launches(monkeypatch, g, (kernel,), lambda: g.w4a16_gemv(x, packed, scale, scale_2, cfg),
+                            {"PRMT": prmt}) == {kernel: 1}
+    words = "_gemv_words_kernel"
+    assert compile_launches(monkeypatch, gw, (words,),
+                            lambda: g.w4a16_gemv(x, packed, scale, scale_2, g.words_config(n, k, 8, 512, 2))) == {words: 1}
+
+
+def test_sass_loop_counts_the_hot_loop():
+    """bench/sass_loop.py finds each GEMV path's inner loop; the PTX-table decode needs fewer instructions per
+    weight word than the integer decode it replaces (static counts from ptxas, not timings)."""
+    rows = {p.name.split(":")[0]: p for p in sass_loop.gemv_profiles(16, 4096, 1024)}
+    assert set(rows) == {"default", "default, prmt", "words"}
+    assert all(p.instructions > 0 and p.by_class["load"] + p.by_class["shared"] > 0 for p in rows.values())
+    assert rows["default, prmt"].by_class["mma"] > 0 and rows["default"].by_class["mma"] > 0
+    assert rows["default, prmt"].per_word < 0.6 * rows["default"].per_word

@@ -94,7 +94,8 @@ else:
         (1, GemvConfig(8, 64, split_k=3)), (1, GemvConfig(32, 128, split_k=2, use_dot=True)),
         (3, GemvConfig(16, 32, split_k=4, use_dot=True)), (16, GemvConfig(64, 128, use_dot=True)),
         (1, GemvConfig(16, 1024)), (1, GemvConfig(8, 64, split_k=3, join=False)),
-        (1, GemvConfig(16, 512, join=False))])
+        (1, GemvConfig(16, 512, join=False)), (7, GemvConfig(64, 128, use_dot=True, prmt=True)),
+        (16, GemvConfig(32, 32, split_k=4, use_dot=True)), (5, GemvConfig(16, 64, split_k=2, use_dot=True, prmt=True))])
     def test_gemv_configs_match_ref(m, cfg):
         n, k = 70, 480                                                  # ragged N and K tails
         packed, scale, scale_2 = nvfp4_ref.quantize(_weight(n, k, seed=3))

@@ -51,6 +51,23 @@ def test_w4a16_gemm_vs_fp64(m, n, k):
     assert _rel(w4a16_gemm(x, packed, scale, scale_2, other), ref) <= 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("n,k,block_k", [(1024, 4096, 256), (333, 1040, 128), (96, 480, 64)])
+def test_gemv_prmt_decode_vs_fp64(m, n, k, block_k):
+    """The inline-PTX decode path, on fp8-subnormal to large block scales and all-zero blocks; K tails included."""
+    from dspark_serve.kernels.w4a16_gemv import GemvConfig, w4a16_gemv
+    w = torch.randn(n, k, device=DEV) * torch.logspace(-6, 2, n, device=DEV)[:, None]
+    w[:, :16] = 0.0
+    packed, scale, scale_2 = nvfp4.quantize(w)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    ref = x.double() @ nvfp4.dequantize(packed, scale, scale_2, torch.float64).T
+    cfg = GemvConfig(64, block_k, 2, True, num_warps=4, join=False, prmt=True)
+    got = w4a16_gemv(x, packed, scale, scale_2, cfg)
+    assert _rel(got, ref) <= 1e-2
+    plain = w4a16_gemv(x, packed, scale, scale_2, GemvConfig(64, block_k, 2, True, num_warps=4, join=False))
+    assert (got.double() - plain.double()).abs().max() <= 2 ** -6 * plain.double().abs().max()
+
+
 @pytest.mark.parametrize("bsz,topk", [(1, 64), (8, 256), (4, 512)])
 def test_gathered_bias_vs_fp64(bsz, topk):
     vocab, rank = 151936, 256
