@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from dspark_serve.kernels import gathered_bias as gb
 from dspark_serve.kernels import nvfp4
 from dspark_serve.kernels.w4a16_gemm import GemmConfig, default_config, w4a16_gemm, w4a16_gemm_ref
-from dspark_serve.kernels.w4a16_gemv import GemvConfig, default_gemv_config, w4a16_gemv, words_config
+from dspark_serve.kernels.w4a16_gemv import (GemvConfig, default_gemv_config, tensor_core_config, w4a16_gemv,
+                                              words_config)
 
 SHAPES = {"fc": (4096, 20480), "q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -143,7 +144,9 @@ def gemv_sweep(m: int, n: int, k: int) -> list[GemvConfig]:
             ((4, 512, 4), (4, 1024, 4), (8, 512, 4), (2, 512, 2))
     words = [c for bn, bk, w in tiles for c in (GemvConfig(bn, bk, 1, num_warps=w, words=True),
                                                    words_config(n, k, bn, bk, w))]
-    return old + words
+    prmt = [tensor_core_config(n, k, bn, bk, w, prmt=True)          # inline-PTX decode, any M
+            for bn, bk, w in ((64, 256, 4), (128, 128, 4), (64, 512, 4), (128, 256, 8), (256, 128, 8))]
+    return old + words + prmt
 
 
 def gemv_close(got: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -157,6 +160,7 @@ def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool) -> list[
     base = nvfp4.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     w_bytes = base[0].numel() + base[1].numel() + 4
     copies = [tuple(t.clone() for t in base) for _ in range(max(1, min(64, ROTATE_BYTES // w_bytes)))]
+    bf16_scales = [c[1].to(torch.bfloat16) for c in copies]               # what the prmt path reads (kept by a caller)
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
              for _ in range(max(1, min(32, ROTATE_BYTES // (2 * n * k))))]
     rows = []
@@ -169,12 +173,13 @@ def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool) -> list[
         results, failed = [], []
         for cfg in dict.fromkeys(configs):
             try:
-                got = w4a16_gemv(x, *base, config=cfg)
+                got = w4a16_gemv(x, *copies[0], config=cfg, scale_bf16=bf16_scales[0])
                 if not (gemv_close(got, ref) and gemv_close(w4a16_gemv(x, *base, config=cfg), ref)):
                     failed.append(cfg)
                     print(f"WRONG {cfg}: rel {((got.double() - ref.double()).norm() / ref.double().norm()):.1e}")
                     continue
-                us = graph_time_us([lambda c=c, cfg=cfg: w4a16_gemv(x, *c, config=cfg) for c in copies])
+                us = graph_time_us([lambda c=c, s=s, cfg=cfg: w4a16_gemv(x, *c, config=cfg, scale_bf16=s)
+                                    for c, s in zip(copies, bf16_scales)])
             except Exception as exc:
                 print(f"skip {cfg}: {type(exc).__name__} {exc}"[:300])
                 continue
@@ -191,7 +196,7 @@ def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool) -> list[
         print(f"{name:8s} [{n}, {k}] M={m:3d} default {us:8.2f} us {gbs:5.0f} GB/s {100 * gbs / copy_gbs:5.1f}% "
               f"x{bf16_us / us:4.2f} | best {us_best:8.2f} us {gbs_best:5.0f} GB/s {100 * gbs_best / copy_gbs:5.1f}% "
               f"x{bf16_us / us_best:4.2f} vs bf16 {bf16_us:7.2f} us  {cfg_best}", flush=True)
-    del copies, dense
+    del copies, dense, bf16_scales
     torch.cuda.empty_cache()
     return rows
 

@@ -83,12 +83,12 @@ def hot_loop(sass: str) -> list[str]:
     """The opcodes of the innermost loop: the body between a label and the last backward branch to it (of several
     loops, the one with the most instructions)."""
     lines = sass.splitlines()
-    labels = {m.group(1): i for i, l in enumerate(lines) if (m := re.match(r"^\s*\.?(L\w+):", l))}
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := re.match(r"^\s*\.?(L\w+):", ln))}
     best = []
     for i, line in enumerate(lines):
         m = re.search(r"BRA\s+\`?\(?\.?(L\w+)", line)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
-            body = [o.group(1) for l in lines[labels[m.group(1)] + 1:i + 1] if (o := _OP.match(l))]
+            body = [o.group(1) for ln in lines[labels[m.group(1)] + 1:i + 1] if (o := _OP.match(ln))]
             if len(body) > len(best):
                 best = body
     return best

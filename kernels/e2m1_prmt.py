@@ -111,4 +111,4 @@ def emulate(ptx, inputs: list[int], n_out: int) -> list[int]:
 
 def instructions(ptx=PTX) -> int:
     """Instructions in the PTX body, the table moves (hoisted out of loops by ptxas) not counted."""
-    return sum(1 for l in ptx.value.splitlines() if re.match(r"\s*[a-z]", l) and not l.strip().startswith("mov.b32"))
+    return sum(1 for ln in ptx.value.splitlines() if re.match(r"\s*[a-z]", ln) and not ln.strip().startswith("mov.b32"))

@@ -44,16 +44,19 @@ class GemvConfig:
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
     """From H200 sweeps (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md 2026-11-30): M == 1 takes the
     int32-word kernel with [8, 512] tiles and 2 warps (the best config of the second sweep on five of the six 8B
-    draft shapes, 1.35-1.69x bf16); M > 1 the tensor-core path with [64, 256] tiles. Split-K only while the N
-    tiles alone give too few programs."""
+    draft shapes, 1.35-1.69x bf16); M > 1 the tensor-core path with [64, 256] tiles."""
     if m == 1:
         return words_config(n, k, 8, 512, 2, num_sms)
-    block_n, block_k = 64, 256
-    tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    split = 1
-    while tiles * split < 240 and split * 2 <= steps:
+    return tensor_core_config(n, k)
+
+
+def tensor_core_config(n: int, k: int, block_n: int = 64, block_k: int = 256, num_warps: int = 4,
+                       prmt: bool = False, programs: int = 240) -> GemvConfig:
+    """A tensor-core config, split-K (a power of 2) only while the N tiles alone give fewer than `programs`."""
+    tiles, steps, split = triton.cdiv(n, block_n), triton.cdiv(k, block_k), 1
+    while tiles * split < programs and split * 2 <= steps:
         split *= 2
-    return GemvConfig(block_n, block_k, split, True, num_warps=4, num_stages=3, join=False)
+    return GemvConfig(block_n, block_k, split, True, num_warps=num_warps, num_stages=3, join=False, prmt=prmt)
 
 
 def words_config(n: int, k: int, block_n: int, block_k: int, num_warps: int, num_sms: int = 132,
@@ -91,7 +94,8 @@ def _store_row(acc, scale_2_ptr, out_ptr, pid_n, N, BLOCK_N: tl.constexpr, SPLIT
 
 
 @triton.jit
-def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_bf16_ptr, scale_2_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_bf16_ptr, scale_2_ptr, out_ptr, M, N, K, stride_xm,
+                       stride_om,
                        K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, JOIN: tl.constexpr, PRMT: tl.constexpr,
                        EVEN_K: tl.constexpr):
@@ -213,11 +217,10 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
     if prmt and scale_bf16 is None:
         scale_bf16 = weight_scale.to(torch.bfloat16)
     grid = (triton.cdiv(n, cfg.block_n), split)
-    _w4a16_gemv_kernel[grid](x, packed, weight_scale.view(torch.uint8), scale_bf16 if prmt else weight_scale.view(torch.uint8),
-                             weight_scale_2.float().reshape(1), out,
-                             m, n, k, x.stride(0), out.stride(0), k_per_split,
+    raw_scale = weight_scale.view(torch.uint8)
+    _w4a16_gemv_kernel[grid](x, packed, raw_scale, scale_bf16 if prmt else raw_scale, weight_scale_2.float().reshape(1),
+                             out, m, n, k, x.stride(0), out.stride(0), k_per_split,
                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot,
-                             DOT_F32=dot_f32, JOIN=cfg.join,
-                             PRMT=prmt and not dot_f32,
-                             EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                             DOT_F32=dot_f32, JOIN=cfg.join, PRMT=prmt and not dot_f32, EVEN_K=k % cfg.block_k == 0,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(torch.bfloat16) if split > 1 else out

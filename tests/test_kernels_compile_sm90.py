@@ -93,7 +93,8 @@ def test_distill_loss_compiles(monkeypatch, dtype):
 def test_w4a16_gemv_compiles(monkeypatch, m, prmt):
     """The M <= 16 GEMV paths: tensor cores with the integer or the inline-PTX (prmt) decode, and the word kernel;
     ptxas checks the PTX of e2m1_prmt here."""
-    from dspark_serve.kernels import w4a16_gemv as g, w4a16_gemv_words as gw
+    from dspark_serve.kernels import w4a16_gemv as g
+    from dspark_serve.kernels import w4a16_gemv_words as gw
     n, k = 96, 512
     x, packed = torch.randn(m, k).bfloat16(), torch.zeros(n, k // 2, dtype=torch.uint8)
     scale, scale_2 = torch.ones(n, k // 16).to(torch.float8_e4m3fn), torch.ones(())
@@ -101,9 +102,9 @@ def test_w4a16_gemv_compiles(monkeypatch, m, prmt):
     kernel = "_w4a16_gemv_kernel"
     assert compile_launches(monkeypatch, g, (kernel,), lambda: g.w4a16_gemv(x, packed, scale, scale_2, cfg),
                             {"PRMT": prmt}) == {kernel: 1}
-    words = "_gemv_words_kernel"
+    words, cfg = "_gemv_words_kernel", g.words_config(n, k, 8, 512, 2)
     assert compile_launches(monkeypatch, gw, (words,),
-                            lambda: g.w4a16_gemv(x, packed, scale, scale_2, g.words_config(n, k, 8, 512, 2))) == {words: 1}
+                            lambda: g.w4a16_gemv(x, packed, scale, scale_2, cfg)) == {words: 1}
 
 
 def test_sass_loop_counts_the_hot_loop():
