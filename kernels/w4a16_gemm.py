@@ -80,7 +80,7 @@ def _w4a16_gemm_kernel(x_ptr, packed_ptr, scale_ptr, scale_2_ptr, out_ptr, M, N,
 
 
 def w4a16_gemm(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor,
-               config: GemmConfig | None = None) -> Tensor:
+               config: GemmConfig | None = None, scale_bf16: Tensor | None = None) -> Tensor:
     """x [M, K] bf16 @ dequant(packed [N, K/2], weight_scale [N, K/16], weight_scale_2).T -> [M, N] bf16.
 
     Runs the Triton kernel; a CPU tensor needs TRITON_INTERPRET=1 (its dot then runs in fp32).
@@ -93,7 +93,7 @@ def w4a16_gemm(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
     m = x.shape[0]
     if config is None and m <= 16:  # decode shapes: the dedicated memory-bound GEMV
         from .w4a16_gemv import w4a16_gemv
-        return w4a16_gemv(x, packed, weight_scale, weight_scale_2)
+        return w4a16_gemv(x, packed, weight_scale, weight_scale_2, scale_bf16=scale_bf16)
     if config is None:  # M > 16: this kernel measured 14-50x slower than bf16 there (bench/RESULTS.md)
         return w4a16_dequant_matmul(x, packed, weight_scale, weight_scale_2)
     cfg = config or default_config(m, n, k)

@@ -15,6 +15,7 @@ weight_scale_2 is applied once at the end. Split-K (fp32 atomics + cast) only wh
 ``GemvConfig(words=True)`` runs the int32-word CUDA-core kernel of `w4a16_gemv_words` instead, for any M <= 16.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +42,18 @@ class GemvConfig:
     prmt: bool = False    # tensor-core path on CUDA: decode with the inline-PTX byte tables of e2m1_prmt.py
 
 
+# The inline-PTX decode for M > 1 (DSPARK_GEMV_PRMT=1): 41 instead of 112 SASS instructions per weight word
+# (bench/sass_loop.py); the default once an H200 run has measured it.
+PRMT_DEFAULT = os.environ.get("DSPARK_GEMV_PRMT", "0") == "1"
+
+
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
     """From H200 sweeps (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md 2026-11-30): M == 1 takes the
     int32-word kernel with [8, 512] tiles and 2 warps (the best config of the second sweep on five of the six 8B
     draft shapes, 1.35-1.69x bf16); M > 1 the tensor-core path with [64, 256] tiles."""
     if m == 1:
         return words_config(n, k, 8, 512, 2, num_sms)
-    return tensor_core_config(n, k)
+    return tensor_core_config(n, k, prmt=PRMT_DEFAULT)
 
 
 def tensor_core_config(n: int, k: int, block_n: int = 64, block_k: int = 256, num_warps: int = 4,

@@ -55,6 +55,11 @@ class NVFP4Linear(nn.Module):
                                        torch.bfloat16) if on else None
         self._dense_min_rows = min_rows
 
+    def keep_bf16_scales(self) -> None:
+        """Keep weight_scale as bf16 (exact), which the GEMV's inline-PTX decode reads (DSPARK_GEMV_PRMT=1), instead
+        of converting it every call. Call again after changing the NVFP4 tensors."""
+        self._scale_bf16 = self.weight_scale.to(torch.bfloat16)
+
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]
         if x.is_cuda:
             from dspark_serve.kernels.w4a16_gemm import dense_unit_matmul, w4a16_gemm
@@ -63,7 +68,8 @@ class NVFP4Linear(nn.Module):
             if dense is not None and x2.shape[0] >= self._dense_min_rows:
                 out = dense_unit_matmul(x2, dense, self.weight_scale_2)
             else:
-                out = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2)
+                out = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2,
+                                 scale_bf16=getattr(self, "_scale_bf16", None))
             out = out.view(*x.shape[:-1], self.out_features).to(x.dtype)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self._cpu_weight(x.dtype), self.bias)

@@ -14,6 +14,8 @@
 #   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
 #   fast      the Triton fast path's GPU tests, the shipped pair at batch 1 vs compiled generate, bench_gpu
 #   bench     random weights only (no staged target): engine and NVFP4 GPU tests, bench_step, bench_nvfp4, bench_gpu
+#   gemv      random weights only: NVFP4 GPU tests, the M <= 16 GEMV sweep (prmt decode included), bench_step
+#             with the default GEMV and with DSPARK_GEMV_PRMT=1
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -107,5 +109,14 @@ bench)  # random weights only: engine + NVFP4 GPU tests, the step's ms (bench_st
     timeout 150 python3 bench/bench_nvfp4.py --out "$OUT/bench_nvfp4.json" 2>&1 | tee "$OUT/bench_nvfp4.log" | tail -45
     timeout 120 python3 bench/bench_gpu.py --models 0.6b 8b --batch 1 8 64 --topk 64 --iters 10 \
         --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" | tail -22 ;;
+gemv)  # random weights: NVFP4 GPU tests, the GEMV sweep with the inline-PTX decode, the draft step without / with it
+    timeout 120 python3 -P -m pytest -q tests/gpu/test_nvfp4_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    timeout 330 python3 bench/bench_nvfp4.py --gemv --sweep --out "$OUT/bench_gemv.json" 2>&1 \
+        | tee "$OUT/bench_gemv.log" | tail -26
+    for p in 0 1; do
+        DSPARK_GEMV_PRMT=$p timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_prmt$p.json" 2>&1 \
+            | grep -v Warn > "$OUT/bench_step_prmt$p.log"
+        echo "DSPARK_GEMV_PRMT=$p"; grep -A6 "==" "$OUT/bench_step_prmt$p.log"
+    done ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

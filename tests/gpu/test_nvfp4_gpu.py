@@ -140,3 +140,15 @@ def test_kept_dense_copy_on_gpu():
     from dspark_serve.kernels.w4a16_gemm import dense_unit_matmul
     q.keep_dense(min_rows=2)   # M = 3 now takes the copy too
     assert torch.equal(q(x[:3]), dense_unit_matmul(x[:3], q._dense, q.weight_scale_2) + q.bias)
+
+
+def test_nvfp4_linear_with_prmt_decode(monkeypatch):
+    """DSPARK_GEMV_PRMT's path inside NVFP4Linear (bf16 scales kept) agrees with the integer decode at M <= 16."""
+    from dspark_serve.kernels import w4a16_gemv as g
+    q = NVFP4Linear.from_linear(torch.nn.Linear(1024, 4096)).to(DEV)
+    x = torch.randn(7, 1024, device=DEV, dtype=torch.bfloat16)
+    plain = q(x).double()
+    monkeypatch.setattr(g, "PRMT_DEFAULT", True)
+    q.keep_bf16_scales()
+    assert q._scale_bf16.dtype == torch.bfloat16
+    assert (q(x).double() - plain).abs().max() <= 2 ** -6 * plain.abs().max()
