@@ -152,11 +152,11 @@ def gemv_profiles(m: int, n: int, k: int) -> list[LoopProfile]:
         module = gw if cfg.words else g
         (fn, args, kw), = record_launches(module, names, lambda: g.w4a16_gemv(x, packed, scale, scale_2, cfg))
         kernel = compile_sm90(fn, args, kw, {"DOT_F32": False, "PRMT": cfg.use_dot and cfg.prmt})
-        words = kw["BLOCK_N"] * kw["BLOCK_K"] // 8
-        kind = "words" if cfg.words else ("tensor cores" if kw["USE_DOT"] else "cuda cores")
-        kind += ", prmt" if cfg.use_dot and cfg.prmt else ""
-        out.append(profile(f"{label}: {kind} [{cfg.block_n}, {cfg.block_k}] {cfg.num_warps}w", kernel, words,
-                           kw["num_warps"]))
+        kind = "words" if cfg.words else "cuda cores"
+        if not cfg.words and kw["USE_DOT"]:
+            kind = "tensor cores, prmt" if cfg.prmt else "tensor cores"
+        name = f"{kind} [{cfg.block_n}, {cfg.block_k}] {cfg.num_warps}w" + (" (default)" if label == "default" else "")
+        out.append(profile(name, kernel, kw["BLOCK_N"] * kw["BLOCK_K"] // 8, kw["num_warps"]))
     return out
 
 
@@ -169,11 +169,11 @@ def main() -> None:
     a = p.parse_args()
     rows = []
     print(f"[{a.n}, {a.k}] weight; issue budget ~{ISSUE_BUDGET:.0f} thread instructions per word at 4.2 TB/s")
-    print(f"{'M':>3} {'kernel':<42} {'instr/word':>10} {'regs':>5}  by class per word")
+    print(f"{'M':>3} {'kernel':<38} {'instr/word':>10} {'regs':>5}  by class per word")
     for m in a.m:
         for prof in gemv_profiles(m, a.n, a.k):
             cls = ", ".join(f"{c} {v / prof.words:.1f}" for c, v in prof.by_class.items() if v)
-            print(f"{m:>3} {prof.name:<42} {prof.per_word:>10.1f} {prof.registers:>5}  {cls}")
+            print(f"{m:>3} {prof.name:<38} {prof.per_word:>10.1f} {prof.registers:>5}  {cls}")
             rows.append(dict(m=m, n=a.n, k=a.k, kernel=prof.name, instructions=prof.instructions, words=prof.words,
                              per_word=prof.per_word, registers=prof.registers, by_class=prof.by_class))
     if a.json:

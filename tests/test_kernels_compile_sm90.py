@@ -110,8 +110,9 @@ def test_w4a16_gemv_compiles(monkeypatch, m, prmt):
 def test_sass_loop_counts_the_hot_loop():
     """bench/sass_loop.py finds each GEMV path's inner loop; the PTX-table decode needs fewer instructions per
     weight word than the integer decode it replaces (static counts from ptxas, not timings)."""
-    rows = {p.name.split(":")[0]: p for p in sass_loop.gemv_profiles(16, 4096, 1024)}
-    assert set(rows) == {"default", "default, prmt", "words"}
+    rows = {p.name: p for p in sass_loop.gemv_profiles(16, 4096, 1024)}
+    assert set(rows) == {"tensor cores [64, 256] 4w (default)", "tensor cores, prmt [64, 256] 4w", "words [8, 512] 2w"}
     assert all(p.instructions > 0 and p.by_class["load"] + p.by_class["shared"] > 0 for p in rows.values())
-    assert rows["default, prmt"].by_class["mma"] > 0 and rows["default"].by_class["mma"] > 0
-    assert rows["default, prmt"].per_word < 0.6 * rows["default"].per_word
+    tc, prmt = rows["tensor cores [64, 256] 4w (default)"], rows["tensor cores, prmt [64, 256] 4w"]
+    assert tc.by_class["mma"] > 0 and prmt.by_class["mma"] > 0
+    assert prmt.per_word < 0.6 * tc.per_word
