@@ -193,7 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--target", help="target directory (default: fetch the demo target into the user cache)")
     demo.add_argument("--draft", help="draft directory (default: the drafter shipped in the package)")
     demo.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    demo.add_argument("--speculative-config", help="JSON (vLLM names); default on CPU: a confidence threshold of 0.3")
+    demo.add_argument("--dtype", choices=["bfloat16", "float32"],
+                      help="default: bfloat16 on a GPU and on a CPU with AMX, else float32")
+    demo.add_argument("--speculative-config",
+                      help="JSON (vLLM names); default: top-64 drafting, plus a confidence threshold of 0.3 in fp32")
     demo.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the service")
     demo.add_argument("--colocate", action="store_true", help="serve with the draft inside the verifier actor")
     demo.add_argument("--tiny", action="store_true",

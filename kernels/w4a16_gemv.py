@@ -8,7 +8,8 @@ integer ops into fp32 bits (no table, no cvt). Two reductions:
   scaled by the fp8 scale, so the scale costs one multiply per 16 weights.
 * 1 < M <= 16 (``use_dot=True``): swapped operands, out^T [BLOCK_N, 16] += W_tile [BLOCK_N, BK/2] @ x^T [BK/2, 16]
   on tensor cores (x rows padded to 16 by masking); the decoded weight (code * fp8 scale, <= 6 significant bits) is
-  exact in bf16. Under the CPU interpreter the dot runs in fp32 (its bf16 dot is wrong there).
+  exact in bf16. Under the CPU interpreter the dot runs in fp32 (its bf16 dot is wrong there). With
+  ``GemvConfig(prmt=True)`` (CUDA) the decode is the inline PTX of `e2m1_prmt` (byte tables, bf16 scales).
 
 Even and odd K columns are handled separately (low / high nibble), so the packed bytes are never interleaved.
 weight_scale_2 is applied once at the end. Split-K (fp32 atomics + cast) only when there are too few N tiles.
@@ -101,8 +102,7 @@ def _store_row(acc, scale_2_ptr, out_ptr, pid_n, N, BLOCK_N: tl.constexpr, SPLIT
 
 @triton.jit
 def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_bf16_ptr, scale_2_ptr, out_ptr, M, N, K, stride_xm,
-                       stride_om,
-                       K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                       stride_om, K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, JOIN: tl.constexpr, PRMT: tl.constexpr,
                        EVEN_K: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
