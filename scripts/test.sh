@@ -2,7 +2,9 @@
 # Install everything the tests need into .venv (CPU torch first, so pip never pulls a CUDA build) and run them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+df -h . | tail -1 | awk '{print "disk free here: " $4}'  # ~4 GB are needed: venv, demo target, test caches
 [ -x .venv/bin/python ] || python3 -m venv .venv
+export PIP_NO_CACHE_DIR=1                                # a fresh machine gains nothing from pip's wheel cache
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e ".[test]"
 bash scripts/fetch_tokenizer.sh || echo "note: real Qwen3 tokenizer not fetched; its test will skip"
