@@ -16,7 +16,6 @@ weight_scale_2 is applied once at the end. Split-K (fp32 atomics + cast) only wh
 ``GemvConfig(words=True)`` runs the int32-word CUDA-core kernel of `w4a16_gemv_words` instead, for any M <= 16.
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .dispatch import GEMV_PRMT
 from .e2m1_prmt import e2m1_scaled_bf16
 from .nvfp4_triton import fp8e4m3_to_f32
 from .nvfp4_ref import check_packed
@@ -43,9 +43,9 @@ class GemvConfig:
     prmt: bool = False    # tensor-core path on CUDA: decode with the inline-PTX byte tables of e2m1_prmt.py
 
 
-# The inline-PTX decode for M > 1 (DSPARK_GEMV_PRMT=1): 41 instead of 112 SASS instructions per weight word
-# (bench/sass_loop.py); the default once an H200 run has measured it.
-PRMT_DEFAULT = os.environ.get("DSPARK_GEMV_PRMT", "0") == "1"
+# The inline-PTX decode for M > 1: 41 instead of 112 SASS instructions per weight word (bench/sass_loop.py); the
+# default once an H200 run has measured it.
+PRMT_DEFAULT = GEMV_PRMT
 
 
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
