@@ -101,7 +101,8 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
     cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
     dtype = args.dtype or (None if cuda else cpu_dtype())
-    spec_config = args.speculative_config or (CPU_SPEC_CONFIG if dtype == "float32" else GPU_SPEC_CONFIG)
+    cpu_fp32 = not cuda and dtype == "float32"
+    spec_config = args.speculative_config or (CPU_SPEC_CONFIG if cpu_fp32 else GPU_SPEC_CONFIG)
     actors = "the verifier actor (with the draft inside)" if args.colocate else "the verifier and draft actors"
     print(f"target {target}\ndraft  {draft}\ndtype {dtype or 'bfloat16 (the checkpoint)'}\n"
           f"speculative_config {spec_config}\nstarting Ray, {actors} and the gateway ...", flush=True)

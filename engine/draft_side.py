@@ -96,9 +96,10 @@ class DraftSide:
             model.fuse_projections()
             keep_dense_up_to(model.modules(), DENSE_NVFP4_MAX_BYTES, DENSE_NVFP4_MIN_ROWS)
             from dspark_serve.kernels.w4a16_gemv import PRMT_DEFAULT
-            for mod in model.modules() if PRMT_DEFAULT else ():
-                if isinstance(mod, NVFP4Linear):
-                    mod.keep_bf16_scales()
+            if PRMT_DEFAULT:  # the GEMV's inline-PTX decode reads bf16 block scales
+                for mod in model.modules():
+                    if isinstance(mod, NVFP4Linear):
+                        mod.keep_bf16_scales()
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded rows
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: DraftGraphs | None = None

@@ -1,13 +1,13 @@
-"""E2M1 decode for the tensor-core GEMV on sm_90: packed NVFP4 bytes and their fp8 scales -> exact bf16 weights,
-12 instructions per 2 bytes (4 codes), as inline PTX.
+"""E2M1 decode for the tensor-core GEMV on sm_90: packed NVFP4 bytes and their block scales (as bf16) -> exact bf16
+weights, 12 instructions per 2 bytes (4 codes), as inline PTX.
 
 Each bf16 E2M1 magnitude (0, 0.5, 1, 1.5, 2, 3, 4, 6) is a normal number or zero whose two bytes come from two
 8-entry byte tables, so `prmt` (byte permute, 3-bit selectors) looks up four codes at once: one lookup for the high
 bytes, one for the low bytes, one more `prmt` to pair them into bf16x2, and the sign bit moved by a `prmt` of the
 word and one `lop3`. `mul.rn.bf16x2` applies the block scale: code x fp8 scale has at most 6 significant bits and
-lies in [2**-10, 2688], so the product is exact in bf16 and the tensor cores see exactly dequant(w) / scale_2.
+lies in [2**-10, 2688] (or is 0), so the product is exact in bf16 and the tensor cores see exactly dequant(w) / scale_2.
 
-`emulate` runs the PTX text itself on the CPU (the seven instructions it uses), so the CPU tests check this exact
+`emulate` runs the PTX text itself on the CPU (an interpreter of the few instructions it uses), so the CPU tests check this exact
 string against the reference dequantization; the GPU tests check it on the device.
 """
 
