@@ -1,6 +1,9 @@
-"""What an actor learns about its own process: its device, the torch dtype asked for, its node address."""
+"""What an actor learns about its own process: its device, the torch dtype asked for, its node address, its CPU
+threads."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,3 +25,14 @@ def node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def set_cpu_threads(device: torch.device, threads: int) -> int:
+    """A CPU actor's torch threads for the calling thread: `threads`, or with 0 every CPU this process may run on.
+    Ray sets OMP_NUM_THREADS to an actor's num_cpus (1), which would leave the model on one core; the draft and the
+    verifier take turns within a step, so each may use them all. OpenMP keeps the count per thread (a new thread
+    starts from OMP_NUM_THREADS), so every thread that runs the model calls this. -> the threads now set (GPU
+    actors: unchanged)."""
+    if device.type == "cpu":
+        torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
+    return torch.get_num_threads()

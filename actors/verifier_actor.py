@@ -20,7 +20,7 @@ from dspark_serve.engine.spec_config import SpeculativeConfig
 from dspark_serve.models.draft_config import DraftConfig
 
 from .channel import VerifierEnd, free_port
-from .placement_env import actor_device, node_ip, torch_dtype
+from .placement_env import actor_device, node_ip, set_cpu_threads, torch_dtype
 from .remote_draft import RemoteDraft
 
 
@@ -28,6 +28,7 @@ class VerifierActor:
     def __init__(self, cfg) -> None:  # cfg: cluster.config.PairConfig
         self.cfg = cfg
         self.device = actor_device(cfg.device)
+        self.cpu_threads = set_cpu_threads(self.device, cfg.cpu_threads)  # this thread: loading, warm-up
         self.dtype = torch_dtype(cfg.dtype)
         self.spec = SpeculativeConfig.from_json(cfg.speculative_config)
         self.draft_cfg = DraftConfig.from_dir(cfg.draft) if cfg.draft else None
@@ -76,6 +77,7 @@ class VerifierActor:
         return True
 
     def _loop(self) -> None:
+        set_cpu_threads(self.device, self.cfg.cpu_threads)  # OpenMP's thread count is per calling thread
         while not self._stop:
             with self._cv:
                 while not self._stop and not self.llm.has_unfinished():

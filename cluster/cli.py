@@ -60,7 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
                       device=args.device or "auto", dtype=args.dtype, block_size=args.block_size,
                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                       max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, placement=args.placement,
-                      channel_host=args.channel_host, colocate=args.colocate,
+                      channel_host=args.channel_host, colocate=args.colocate, cpu_threads=args.cpu_threads,
                       target_resources=_resources(args.target_resources, "--target-resources"),
                       draft_resources=_resources(args.draft_resources, "--draft-resources"))
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
@@ -230,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     s.add_argument("--address", help="join this Ray cluster (default: start Ray embedded)")
     s.add_argument("--num-cpus", type=int, help="CPUs of the embedded Ray")
+    s.add_argument("--cpu-threads", type=int, default=0,
+                   help="torch threads of each CPU actor (default 0: every CPU of its node; Ray alone would give 1)")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], help="auto: one GPU per actor when there are GPUs")
     s.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     s.add_argument("--placement", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])

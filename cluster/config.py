@@ -23,6 +23,7 @@ class PairConfig:
     colocate: bool = False  # the draft inside the verifier actor (one device, no step channel, drafting ahead)
     channel_host: str | None = None  # address the verifier's step channel binds; None: its node IP
     num_cpus: float = 1.0  # per actor
+    cpu_threads: int = 0  # torch threads of each CPU actor; 0: every CPU of its node (actors take turns in a step)
     target_resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources steering the verifier
     draft_resources: tuple[tuple[str, float], ...] = ()
 
@@ -31,6 +32,8 @@ class PairConfig:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be >= 0 (0: all of the node's CPUs), got {self.cpu_threads}")
         if self.dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
 

@@ -33,7 +33,7 @@ class DSpark:
                  max_num_seqs: int = 64, max_model_len: int = 4096, placement: str = "PACK",
                  target_resources: dict[str, float] | None = None, draft_resources: dict[str, float] | None = None,
                  max_queue: int = 256, max_request_bytes: int = 4 << 20, channel_host: str | None = None,
-                 num_cpus: float = 1.0, colocate: bool = False) -> None:
+                 num_cpus: float = 1.0, colocate: bool = False, cpu_threads: int = 0) -> None:
         import json
 
         import ray
@@ -49,7 +49,7 @@ class DSpark:
         self.pair = create_pair(PairConfig(
             target=target, draft=draft, speculative_config=spec, device=device, dtype=dtype, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len, placement=placement,
-            channel_host=channel_host, num_cpus=num_cpus, colocate=colocate,
+            channel_host=channel_host, num_cpus=num_cpus, colocate=colocate, cpu_threads=cpu_threads,
             target_resources=_resources(target_resources),
             draft_resources=_resources(draft_resources)))
         info = ray.get(self.pair.verifier.model_info.remote())
