@@ -17,8 +17,8 @@ from .placement_env import actor_device, set_cpu_threads, torch_dtype
 class DraftActor:
     def __init__(self, cfg) -> None:  # cfg: cluster.config.PairConfig
         self.device = actor_device(cfg.device)
-        self.cpu_threads_wanted = cfg.cpu_threads
-        self.cpu_threads = set_cpu_threads(self.device, cfg.cpu_threads)
+        self.cpu_threads = cfg.cpu_threads
+        set_cpu_threads(self.device, self.cpu_threads)
         dtype = torch_dtype(cfg.dtype)
         spec = SpeculativeConfig.from_json(cfg.speculative_config)
         heads = load_target_heads(cfg.target, dtype=dtype)
@@ -37,7 +37,7 @@ class DraftActor:
 
     def serve(self) -> str:
         """Blocks until the verifier sends STOP."""
-        set_cpu_threads(self.device, self.cpu_threads_wanted)  # a threaded actor's method: set in this thread
+        set_cpu_threads(self.device, self.cpu_threads)  # a threaded actor's method: set in this thread
         self.end.serve(self.side.propose)
         self.end.close()
         return "stopped"

@@ -28,7 +28,7 @@ class VerifierActor:
     def __init__(self, cfg) -> None:  # cfg: cluster.config.PairConfig
         self.cfg = cfg
         self.device = actor_device(cfg.device)
-        self.cpu_threads = set_cpu_threads(self.device, cfg.cpu_threads)  # this thread: loading, warm-up
+        set_cpu_threads(self.device, cfg.cpu_threads)  # this thread: loading, warm-up
         self.dtype = torch_dtype(cfg.dtype)
         self.spec = SpeculativeConfig.from_json(cfg.speculative_config)
         self.draft_cfg = DraftConfig.from_dir(cfg.draft) if cfg.draft else None

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dspark_serve.kernels import dispatch
 from dspark_serve.kernels.dispatch import use_triton
 from dspark_serve.kernels.markov_walk_ref import markov_walk_ref
 from dspark_serve.models.dspark import DSparkDraft
@@ -95,8 +96,7 @@ class DraftSide:
         if self.device.type == "cuda":
             model.fuse_projections()
             keep_dense_up_to(model.modules(), DENSE_NVFP4_MAX_BYTES, DENSE_NVFP4_MIN_ROWS)
-            from dspark_serve.kernels.w4a16_gemv import PRMT_DEFAULT
-            if PRMT_DEFAULT:  # the GEMV's inline-PTX decode reads bf16 block scales
+            if dispatch.GEMV_PRMT:  # the GEMV's inline-PTX decode reads bf16 block scales
                 for mod in model.modules():
                     if isinstance(mod, NVFP4Linear):
                         mod.keep_bf16_scales()

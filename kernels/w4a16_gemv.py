@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .dispatch import GEMV_PRMT
+from . import dispatch
 from .e2m1_prmt import e2m1_scaled_bf16
 from .nvfp4_triton import fp8e4m3_to_f32
 from .nvfp4_ref import check_packed
@@ -43,18 +43,14 @@ class GemvConfig:
     prmt: bool = False    # tensor-core path on CUDA: decode with the inline-PTX byte tables of e2m1_prmt.py
 
 
-# The inline-PTX decode for M > 1: 41 instead of 112 SASS instructions per weight word (bench/sass_loop.py); the
-# default once an H200 run has measured it.
-PRMT_DEFAULT = GEMV_PRMT
-
-
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
     """From H200 sweeps (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md 2026-11-30): M == 1 takes the
     int32-word kernel with [8, 512] tiles and 2 warps (the best config of the second sweep on five of the six 8B
-    draft shapes, 1.35-1.69x bf16); M > 1 the tensor-core path with [64, 256] tiles."""
+    draft shapes, 1.35-1.69x bf16); M > 1 the tensor-core path with [64, 256] tiles, with the inline-PTX decode
+    when DSPARK_GEMV_PRMT=1 (41 instead of 112 SASS instructions per weight word, bench/sass_loop.py)."""
     if m == 1:
         return words_config(n, k, 8, 512, 2, num_sms)
-    return tensor_core_config(n, k, prmt=PRMT_DEFAULT)
+    return tensor_core_config(n, k, prmt=dispatch.GEMV_PRMT)
 
 
 def tensor_core_config(n: int, k: int, block_n: int = 64, block_k: int = 256, num_warps: int = 4,

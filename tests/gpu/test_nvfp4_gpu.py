@@ -144,11 +144,11 @@ def test_kept_dense_copy_on_gpu():
 
 def test_nvfp4_linear_with_prmt_decode(monkeypatch):
     """DSPARK_GEMV_PRMT's path inside NVFP4Linear (bf16 scales kept) agrees with the integer decode at M <= 16."""
-    from dspark_serve.kernels import w4a16_gemv as g
+    from dspark_serve.kernels import dispatch
     q = NVFP4Linear.from_linear(torch.nn.Linear(1024, 4096)).to(DEV)
     x = torch.randn(7, 1024, device=DEV, dtype=torch.bfloat16)
     plain = q(x).double()
-    monkeypatch.setattr(g, "PRMT_DEFAULT", True)
+    monkeypatch.setattr(dispatch, "GEMV_PRMT", True)
     q.keep_bf16_scales()
     assert q._scale_bf16.dtype == torch.bfloat16
     assert (q(x).double() - plain).abs().max() <= 2 ** -6 * plain.abs().max()
