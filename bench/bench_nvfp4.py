@@ -133,20 +133,19 @@ def bench_markov(copy_gbs: float) -> list[dict]:
 
 
 def gemv_sweep(m: int, n: int, k: int) -> list[GemvConfig]:
-    """The byte-tile kernel's best configs of the last sweep, then the words kernel (block_n, block_k, warps per
-    BLOCK_M = next_power_of_2(M)), each without split-K and with the split that fills 4 waves."""
+    """M == 1: the words kernel (block_n, block_k, warps), each without split-K and with the split that fills 4
+    waves. Every M: the tensor-core path with the inline-PTX decode at tiles and stages that trade registers (180
+    per thread at [64, 256], 2 programs per SM) for occupancy (bench/sass_loop.py). The byte-tile and integer-decode
+    configs of earlier sweeps lost at every shape (bench/RESULTS.md) and are left out."""
+    words = []
     if m == 1:
-        old = [GemvConfig(8, 1024, 4, False, num_warps=2), GemvConfig(4, 1024, 1, False, num_warps=1)]
-        tiles = ((16, 1024, 4), (8, 1024, 4), (16, 512, 2), (8, 512, 2))
-    else:
-        old = [GemvConfig(128, 256, 4, True, num_warps=8)]
-        tiles = ((8, 512, 4), (8, 1024, 4), (4, 512, 4), (4, 256, 2)) if m <= 8 else \
-            ((4, 512, 4), (4, 1024, 4), (8, 512, 4), (2, 512, 2))
-    words = [c for bn, bk, w in tiles for c in (GemvConfig(bn, bk, 1, num_warps=w, words=True),
-                                                   words_config(n, k, bn, bk, w))]
-    prmt = [tensor_core_config(n, k, bn, bk, w, prmt=True)          # inline-PTX decode, any M
-            for bn, bk, w in ((64, 256, 4), (128, 128, 4), (64, 512, 4), (128, 256, 8), (256, 128, 8))]
-    return old + words + prmt
+        words = [c for bn, bk, w in ((16, 1024, 4), (8, 1024, 4), (16, 512, 2), (8, 512, 2))
+                 for c in (GemvConfig(bn, bk, 1, num_warps=w, words=True), words_config(n, k, bn, bk, w))]
+    prmt = [tensor_core_config(n, k, bn, bk, w, prmt=True, num_stages=st)
+            for bn, bk, w, st in ((64, 256, 4, 3), (64, 256, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4),
+                                  (64, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3))]
+    integer = [tensor_core_config(n, k)] if m > 1 else []     # the integer decode, for the ratio in one run
+    return words + integer + prmt
 
 
 def gemv_close(got: torch.Tensor, ref: torch.Tensor) -> bool:

@@ -96,7 +96,8 @@ def hot_loop(sass: str) -> list[str]:
 
 _CLASSES = {"fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP"), "fp16x2": ("HFMA2", "HMUL2", "HADD2"),
             "int": ("LOP3", "SHF", "IMAD", "IADD3", "PRMT", "LEA", "ISETP", "SEL", "VIADD", "IABS", "SGXT", "BMSK"),
-            "mma": ("HMMA", "HGMMA"), "load": ("LDG",), "shared": ("LDS", "STS", "LDSM", "BAR"), "shuffle": ("SHFL",),
+            "mma": ("HMMA", "HGMMA"), "load": ("LDG",),
+            "async copy": ("LDGSTS",), "shared": ("LDS", "STS", "LDSM", "BAR"), "shuffle": ("SHFL",),
             "convert": ("F2F", "I2F", "F2I", "F2FP")}
 
 
@@ -144,8 +145,8 @@ def gemv_profiles(m: int, n: int, k: int) -> list[LoopProfile]:
     else:
         configs["words"] = g.words_config(n, k, 8, 512, 2)
     for label, cfg in list(configs.items()):
-        if cfg.use_dot:
-            configs[label + ", prmt"] = dataclasses.replace(cfg, prmt=True)
+        if cfg.use_dot:   # the other decode of the tensor-core path
+            configs[label + ", other decode"] = dataclasses.replace(cfg, prmt=not cfg.prmt)
     out = []
     for label, cfg in configs.items():
         names = ("_w4a16_gemv_kernel",) if not cfg.words else ("_gemv_words_kernel",)

@@ -17,8 +17,9 @@ def _have_triton() -> bool:
 
 
 HAVE_TRITON = _have_triton()  # an optional extra (`dspark-serve[triton]`); CPU torch comes without it
-# DSPARK_GEMV_PRMT=1: the M <= 16 NVFP4 GEMV decodes with the inline PTX of e2m1_prmt.py (opt-in until timed)
-GEMV_PRMT = os.environ.get("DSPARK_GEMV_PRMT", "0") == "1"
+# The 1 < M <= 16 NVFP4 GEMV decodes with the inline PTX of e2m1_prmt.py on sm_90+ (1.9-2.2x the integer decode on
+# an H200, bench/RESULTS.md); DSPARK_GEMV_PRMT=0 turns it off
+GEMV_PRMT = os.environ.get("DSPARK_GEMV_PRMT", "1") == "1"
 
 
 def use_triton(t: Tensor) -> bool:

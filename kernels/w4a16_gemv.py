@@ -16,6 +16,7 @@ weight_scale_2 is applied once at the end. Split-K (fp32 atomics + cast) only wh
 ``GemvConfig(words=True)`` runs the int32-word CUDA-core kernel of `w4a16_gemv_words` instead, for any M <= 16.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,22 +45,22 @@ class GemvConfig:
 
 
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
-    """From H200 sweeps (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md 2026-11-30): M == 1 takes the
-    int32-word kernel with [8, 512] tiles and 2 warps (the best config of the second sweep on five of the six 8B
-    draft shapes, 1.35-1.69x bf16); M > 1 the tensor-core path with [64, 256] tiles, with the inline-PTX decode
-    when DSPARK_GEMV_PRMT=1 (41 instead of 112 SASS instructions per weight word, bench/sass_loop.py)."""
+    """From H200 sweeps (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md): M == 1 takes the int32-word
+    kernel with [8, 512] tiles and 2 warps (1.37-1.69x bf16 on five of the six 8B draft shapes); M > 1 the
+    tensor-core path with [64, 256] tiles and the inline-PTX decode (dispatch.GEMV_PRMT; the best config of the
+    2026-12-01 sweep at every M > 1 shape, 0.88-1.38x bf16, where the integer decode measured 0.51-0.75x)."""
     if m == 1:
         return words_config(n, k, 8, 512, 2, num_sms)
     return tensor_core_config(n, k, prmt=dispatch.GEMV_PRMT)
 
 
 def tensor_core_config(n: int, k: int, block_n: int = 64, block_k: int = 256, num_warps: int = 4,
-                       prmt: bool = False, programs: int = 240) -> GemvConfig:
+                       prmt: bool = False, programs: int = 240, num_stages: int = 3) -> GemvConfig:
     """A tensor-core config, split-K (a power of 2) only while the N tiles alone give fewer than `programs`."""
     tiles, steps, split = triton.cdiv(n, block_n), triton.cdiv(k, block_k), 1
     while tiles * split < programs and split * 2 <= steps:
         split *= 2
-    return GemvConfig(block_n, block_k, split, True, num_warps=num_warps, num_stages=3, join=False, prmt=prmt)
+    return GemvConfig(block_n, block_k, split, True, num_warps=num_warps, num_stages=num_stages, join=False, prmt=prmt)
 
 
 def words_config(n: int, k: int, block_n: int, block_k: int, num_warps: int, num_sms: int = 132,
@@ -123,7 +124,14 @@ def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_bf16_ptr, scale_2_ptr
                 xmask = (mm < M) & (k0 + kk < k_hi)
             b = tl.load(packed_ptr + rows * (K // 2) + k0 // 2 + pair, mask=bmask, other=0)          # [BN, BK/2]
             if PRMT:                                                           # bf16 code * scale, exact
-                s = tl.load(scale_bf16_ptr + rows * (K // 16) + k0 // 16 + grp, mask=smask, other=0.0)
+                if EVEN_K:
+                    g2 = tl.arange(0, G // 2)[None, :]
+                    s32 = tl.load(scale_bf16_ptr.to(tl.pointer_type(tl.int32)) + rows * (K // 32) + k0 // 32 + g2,
+                                  mask=rows < N, other=0)    # [BN, G/2] bf16 pairs: 4 bytes, so cp.async pipelines it
+                    s = tl.reshape(tl.join(s32 & 0xFFFF, s32 >> 16), (BLOCK_N, G))
+                    s = s.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                else:
+                    s = tl.load(scale_bf16_ptr + rows * (K // 16) + k0 // 16 + grp, mask=smask, other=0.0)
                 s8 = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, G, 8)), (BLOCK_N, HALF))
                 w_lo, w_hi = e2m1_scaled_bf16(b, s8)                           # [BN, BK/2] each
             else:
@@ -182,6 +190,12 @@ def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_bf16_ptr, scale_2_ptr
         _store_row(acc, scale_2_ptr, out_ptr, pid_n, N, BLOCK_N, SPLIT_K)
 
 
+@functools.cache
+def _has_bf16x2_mul(device: torch.device) -> bool:
+    """mul.rn.bf16x2 (the prmt decode's block-scale multiply) needs sm_90."""
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor,
                config: GemvConfig | None = None, scale_bf16: Tensor | None = None) -> Tensor:
     """x [M, K] (M <= 16) @ dequant(packed [N, K/2], weight_scale [N, K/16], weight_scale_2).T -> [M, N] bf16.
@@ -216,13 +230,17 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
     if m == 0 or n == 0:
         return out.to(torch.bfloat16)
     prmt = use_dot and cfg.prmt
-    if prmt and scale_bf16 is None:
-        scale_bf16 = weight_scale.to(torch.bfloat16)
+    if prmt and scale_bf16 is not None and scale_bf16.shape != weight_scale.shape:
+        raise ValueError(f"scale_bf16 must have weight_scale's shape {tuple(weight_scale.shape)}, "
+                         f"got {tuple(scale_bf16.shape)}")
+    if prmt and (scale_bf16 is None or scale_bf16.data_ptr() % 4 or not scale_bf16.is_contiguous()):
+        scale_bf16 = weight_scale.to(torch.bfloat16)   # read as int32 pairs: 4-byte aligned, contiguous
     grid = (triton.cdiv(n, cfg.block_n), split)
     raw_scale = weight_scale.view(torch.uint8)
     _w4a16_gemv_kernel[grid](x, packed, raw_scale, scale_bf16 if prmt else raw_scale, weight_scale_2.float().reshape(1),
                              out, m, n, k, x.stride(0), out.stride(0), k_per_split,
                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot,
-                             DOT_F32=dot_f32, JOIN=cfg.join, PRMT=prmt and not dot_f32, EVEN_K=k % cfg.block_k == 0,
+                             DOT_F32=dot_f32, JOIN=cfg.join, PRMT=prmt and not dot_f32 and _has_bf16x2_mul(x.device),
+                             EVEN_K=k % cfg.block_k == 0,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(torch.bfloat16) if split > 1 else out

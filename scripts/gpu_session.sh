@@ -15,7 +15,7 @@
 #   fast      the Triton fast path's GPU tests, the shipped pair at batch 1 vs compiled generate, bench_gpu
 #   bench     random weights only (no staged target): engine and NVFP4 GPU tests, bench_step, bench_nvfp4, bench_gpu
 #   gemv      random weights only: NVFP4 GPU tests, the M <= 16 GEMV sweep (prmt decode included), bench_step
-#             with the default GEMV and with DSPARK_GEMV_PRMT=1
+#             with DSPARK_GEMV_PRMT=0 and 1, bench_gpu at the 8B shapes (P1-P3)
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -117,6 +117,8 @@ gemv)  # random weights: NVFP4 GPU tests, the GEMV sweep with the inline-PTX dec
         DSPARK_GEMV_PRMT=$p timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_prmt$p.json" 2>&1 \
             | grep -v Warn > "$OUT/bench_step_prmt$p.log"
         echo "DSPARK_GEMV_PRMT=$p"; grep -A6 "==" "$OUT/bench_step_prmt$p.log"
-    done ;;
+    done
+    timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
+        2>&1 | tee "$OUT/bench_gpu.log" | tail -14 ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -107,12 +107,16 @@ def test_w4a16_gemv_compiles(monkeypatch, m, prmt):
                             lambda: g.w4a16_gemv(x, packed, scale, scale_2, cfg)) == {words: 1}
 
 
-def test_sass_loop_counts_the_hot_loop():
+def test_sass_loop_counts_the_hot_loop(monkeypatch):
     """bench/sass_loop.py finds each GEMV path's inner loop; the PTX-table decode needs fewer instructions per
-    weight word than the integer decode it replaces (static counts from ptxas, not timings)."""
+    weight word than the integer decode it replaces (static counts from ptxas, not timings), and its block scales,
+    read as 4-byte bf16 pairs, arrive through the cp.async pipeline (no global load waits inside the loop)."""
+    from dspark_serve.kernels import dispatch
+    monkeypatch.setattr(dispatch, "GEMV_PRMT", True)
     rows = {p.name: p for p in sass_loop.gemv_profiles(16, 4096, 1024)}
-    assert set(rows) == {"tensor cores [64, 256] 4w (default)", "tensor cores, prmt [64, 256] 4w", "words [8, 512] 2w"}
+    assert set(rows) == {"tensor cores, prmt [64, 256] 4w (default)", "tensor cores [64, 256] 4w", "words [8, 512] 2w"}
     assert all(p.instructions > 0 and p.by_class["load"] + p.by_class["shared"] > 0 for p in rows.values())
-    tc, prmt = rows["tensor cores [64, 256] 4w (default)"], rows["tensor cores, prmt [64, 256] 4w"]
+    tc, prmt = rows["tensor cores [64, 256] 4w"], rows["tensor cores, prmt [64, 256] 4w (default)"]
     assert tc.by_class["mma"] > 0 and prmt.by_class["mma"] > 0
     assert prmt.per_word < 0.6 * tc.per_word
+    assert prmt.by_class["load"] == 0 and prmt.by_class["async copy"] > 0

@@ -102,6 +102,13 @@ else:
         x = _x(m, k).to(torch.bfloat16)
         _close(w4a16_gemv(x, packed, scale, scale_2, config=cfg), x, packed, scale, scale_2)
 
+    def test_gemv_rejects_scale_bf16_of_another_shape():
+        packed, scale, scale_2 = nvfp4_ref.quantize(_weight(32, 256, seed=4))
+        x = _x(7, 256).to(torch.bfloat16)
+        with pytest.raises(ValueError, match="scale_bf16 must have weight_scale's shape"):
+            w4a16_gemv(x, packed, scale, scale_2, GemvConfig(64, 128, use_dot=True, prmt=True),
+                       scale_bf16=scale.to(torch.bfloat16).T.contiguous())
+
     def test_gemv_fp32_and_strided_x():
         n, k = 24, 128
         packed, scale, scale_2 = nvfp4_ref.quantize(_weight(n, k, seed=5))

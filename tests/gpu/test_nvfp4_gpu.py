@@ -68,6 +68,26 @@ def test_gemv_prmt_decode_vs_fp64(m, n, k, block_k):
     assert (got.double() - plain.double()).abs().max() <= 2 ** -6 * plain.double().abs().max()
 
 
+def test_gemv_prmt_reads_scales_as_aligned_pairs():
+    """The prmt path reads bf16 block scales as int32 pairs; a caller's scale_bf16 that is only 2-byte aligned or
+    strided is copied first, with the same result."""
+    from dspark_serve.kernels.w4a16_gemv import GemvConfig, w4a16_gemv
+    packed, scale, scale_2 = nvfp4.quantize(torch.randn(256, 1024, device=DEV))
+    x = torch.randn(7, 1024, device=DEV).to(torch.bfloat16)
+    cfg = GemvConfig(64, 256, 1, True, num_warps=4, join=False, prmt=True)
+    want = w4a16_gemv(x, packed, scale, scale_2, cfg, scale_bf16=scale.to(torch.bfloat16))
+    buf = torch.empty(scale.numel() + 1, device=DEV, dtype=torch.bfloat16)
+    odd = buf[1:].view(scale.shape)
+    odd.copy_(scale.to(torch.bfloat16))
+    assert odd.data_ptr() % 4 == 2
+    assert torch.equal(w4a16_gemv(x, packed, scale, scale_2, cfg, scale_bf16=odd), want)
+    wide = torch.zeros(scale.shape[0], 2 * scale.shape[1], device=DEV, dtype=torch.bfloat16)[:, ::2]
+    wide.copy_(scale.to(torch.bfloat16))
+    assert torch.equal(w4a16_gemv(x, packed, scale, scale_2, cfg, scale_bf16=wide), want)
+    ref = x.double() @ nvfp4.dequantize(packed, scale, scale_2, torch.float64).T
+    assert _rel(want, ref) <= 1e-2
+
+
 @pytest.mark.parametrize("bsz,topk", [(1, 64), (8, 256), (4, 512)])
 def test_gathered_bias_vs_fp64(bsz, topk):
     vocab, rank = 151936, 256
