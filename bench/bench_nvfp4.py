@@ -5,6 +5,7 @@ from HBM. Usage: python bench/bench_nvfp4.py [--sweep] [--out results.json]
 """
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -13,7 +14,8 @@ import torch.nn.functional as F
 
 from dspark_serve.kernels import gathered_bias as gb
 from dspark_serve.kernels import nvfp4
-from dspark_serve.kernels.w4a16_gemm import GemmConfig, default_config, w4a16_gemm, w4a16_gemm_ref
+from dspark_serve.kernels.w4a16_gemm import (GemmConfig, default_config, w4a16_dequant_matmul, w4a16_gemm,
+                                             w4a16_gemm_ref)
 from dspark_serve.kernels.w4a16_gemv import (GemvConfig, default_gemv_config, tensor_core_config, w4a16_gemv,
                                               words_config)
 
@@ -141,10 +143,12 @@ def gemv_sweep(m: int, n: int, k: int) -> list[GemvConfig]:
     if m == 1:
         words = [c for bn, bk, w in ((16, 1024, 4), (8, 1024, 4), (16, 512, 2), (8, 512, 2))
                  for c in (GemvConfig(bn, bk, 1, num_warps=w, words=True), words_config(n, k, bn, bk, w))]
-    prmt = [tensor_core_config(n, k, bn, bk, w, prmt=True, num_stages=st)
-            for bn, bk, w, st in ((64, 256, 4, 3), (64, 256, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4),
-                                  (64, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3))]
-    integer = [tensor_core_config(n, k)] if m > 1 else []     # the integer decode, for the ratio in one run
+    tiles = ((64, 256, 4, 3), (64, 256, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 4),
+             (128, 128, 4, 3), (128, 128, 8, 3))
+    if m > 16:   # 64 rows of x: [64, 256] weight tiles spill
+        tiles = ((64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 2), (128, 64, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3))
+    prmt = [tensor_core_config(n, k, bn, bk, w, prmt=True, num_stages=st) for bn, bk, w, st in tiles]
+    integer = [dataclasses.replace(default_gemv_config(m, n, k), prmt=False)] if m > 1 else []   # integer decode
     return words + integer + prmt
 
 
@@ -163,11 +167,12 @@ def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool) -> list[
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
              for _ in range(max(1, min(32, ROTATE_BYTES // (2 * n * k))))]
     rows = []
-    for m in (1, 7, 8, 16):
+    for m in (1, 7, 8, 16, 32, 56, 64):                       # 56: a 7-token draft block for 8 requests
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = w4a16_gemm_ref(x, *base)
         q_bytes = w_bytes + 2 * m * k + 2 * m * n             # packed + scales + activation + output
         bf16_us = graph_time_us([lambda w=w: F.linear(x, w) for w in dense])
+        dequant_us = graph_time_us([lambda c=c: w4a16_dequant_matmul(x, *c) for c in copies]) if m > 16 else None
         configs = [default_gemv_config(m, n, k)] + (gemv_sweep(m, n, k) if sweep else [])
         results, failed = [], []
         for cfg in dict.fromkeys(configs):
@@ -191,10 +196,11 @@ def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool) -> list[
                      "best_us": us_best, "best_GBps": gbs_best, "best_pct_copy": 100 * gbs_best / copy_gbs,
                      "best_speedup_vs_bf16": bf16_us / us_best, "best_config": cfg_best.__dict__,
                      "config": cfg_default.__dict__, "all": [(t, c.__dict__) for t, c in results],
-                     "wrong_configs": [c.__dict__ for c in failed]})
+                     "wrong_configs": [c.__dict__ for c in failed], "dequant_matmul_us": dequant_us})
         print(f"{name:8s} [{n}, {k}] M={m:3d} default {us:8.2f} us {gbs:5.0f} GB/s {100 * gbs / copy_gbs:5.1f}% "
               f"x{bf16_us / us:4.2f} | best {us_best:8.2f} us {gbs_best:5.0f} GB/s {100 * gbs_best / copy_gbs:5.1f}% "
-              f"x{bf16_us / us_best:4.2f} vs bf16 {bf16_us:7.2f} us  {cfg_best}", flush=True)
+              f"x{bf16_us / us_best:4.2f} vs bf16 {bf16_us:7.2f} us"
+              + (f" dequant+cuBLAS {dequant_us:7.2f} us" if dequant_us else "") + f"  {cfg_best}", flush=True)
     del copies, dense, bf16_scales
     torch.cuda.empty_cache()
     return rows
@@ -205,16 +211,22 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time a grid of GEMM configs per (shape, M)")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--out", default="bench_nvfp4.json")
-    p.add_argument("--gemv", action="store_true", help="only the M <= 16 GEMV path (w4a16_gemv), M in 1, 7, 8, 16")
+    p.add_argument("--gemv", action="store_true", help="only the GEMV path (w4a16_gemv), M in 1, 7, 8, 16, 32, 56, 64")
     args = p.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}  device-to-device copy {copy_gbs:.0f} GB/s (read + write bytes)", flush=True)
     if args.gemv:
         rows = [r for s in args.shapes for r in bench_gemv(s, *SHAPES[s], copy_gbs, args.sweep)]
-        print("best per row: shape, M, us, % of copy, x vs bf16, config")
+        print("shape, M: default us, % of copy, x vs bf16 | best us, x vs bf16, [block_n, block_k, warps, stages] "
+              "prmt/words | M > 16: dequant+cuBLAS us")
         for r in rows:
-            print(f"  {r['shape']:8s} M={r['M']:2d} {r['best_us']:8.2f} us {r['best_pct_copy']:5.1f}% "
-                  f"x{r['best_speedup_vs_bf16']:4.2f} {r['best_config']}")
+            c = r["best_config"]
+            kind = "words" if c["words"] else "prmt" if c["prmt"] else "int"
+            deq = f" | {r['dequant_matmul_us']:7.2f}" if r["dequant_matmul_us"] else ""
+            print(f"  {r['shape']:8s} M={r['M']:2d} {r['us']:8.2f} {r['pct_copy']:5.1f}% "
+                  f"x{r['speedup_vs_bf16']:4.2f} | "
+                  f"{r['best_us']:8.2f} x{r['best_speedup_vs_bf16']:4.2f} "
+                  f"[{c['block_n']}, {c['block_k']}, {c['num_warps']}, {c['num_stages']}] {kind}{deq}")
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbs, "copy_convention":
                        "2 * bytes / time (read + write), 1 GiB uint8 copy_, faster of eager and graph", "gemv": rows,

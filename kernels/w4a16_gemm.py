@@ -1,5 +1,5 @@
 """W4A16 GEMM / GEMV: bf16 activations [M, K] x NVFP4 weight [N, K] -> bf16 [M, N], dequant fused, fp32 acc.
-Without an explicit GemmConfig, M <= 16 runs the GEMV kernels (w4a16_gemv.py) and M > 16 dequantizes to bf16 and
+Without an explicit GemmConfig, M <= 64 runs the GEMV kernels (w4a16_gemv.py) and M > 64 dequantizes to bf16 and
 runs one cuBLAS GEMM (w4a16_dequant_matmul).
 
 Even and odd K columns are multiplied separately (x[:, 0::2] with the low nibbles, x[:, 1::2] with the high
@@ -91,10 +91,10 @@ def w4a16_gemm(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
-    if config is None and m <= 16:  # decode shapes: the dedicated memory-bound GEMV
-        from .w4a16_gemv import w4a16_gemv
+    from .w4a16_gemv import GEMV_MAX_M, w4a16_gemv
+    if config is None and m <= GEMV_MAX_M:  # decode shapes: the memory-bound GEMV (tensor cores from M = 2)
         return w4a16_gemv(x, packed, weight_scale, weight_scale_2, scale_bf16=scale_bf16)
-    if config is None:  # M > 16: this kernel measured 14-50x slower than bf16 there (bench/RESULTS.md)
+    if config is None:  # M > 64: this kernel measured 14-50x slower than bf16 there (bench/RESULTS.md)
         return w4a16_dequant_matmul(x, packed, weight_scale, weight_scale_2)
     cfg = config or default_config(m, n, k)
     if cfg.split_k > 1 and cfg.block_m > 16:  # measured wrong on an H200 (rel. err 0.86), cause not found yet

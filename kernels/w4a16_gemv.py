@@ -1,4 +1,4 @@
-"""W4A16 GEMV for decode shapes (M <= 16): bf16 x [M, K] @ NVFP4 weight [N, K]^T -> bf16 [M, N].
+"""W4A16 GEMV for decode shapes (M <= 64): bf16 x [M, K] @ NVFP4 weight [N, K]^T -> bf16 [M, N].
 
 Memory-bound design: each program owns BLOCK_N weight rows and walks K in BLOCK_K steps, loading the packed bytes
 as [BLOCK_N, BLOCK_K/2] tiles contiguous along K and the fp8 scales once per 16 elements. E2M1 is decoded with
@@ -6,9 +6,10 @@ integer ops into fp32 bits (no table, no cvt). Two reductions:
 
 * M == 1 (``use_dot=False``): the unscaled codes times x are summed per 16-group (tl.sum), the group sums are then
   scaled by the fp8 scale, so the scale costs one multiply per 16 weights.
-* 1 < M <= 16 (``use_dot=True``): swapped operands, out^T [BLOCK_N, 16] += W_tile [BLOCK_N, BK/2] @ x^T [BK/2, 16]
-  on tensor cores (x rows padded to 16 by masking); the decoded weight (code * fp8 scale, <= 6 significant bits) is
-  exact in bf16. Under the CPU interpreter the dot runs in fp32 (its bf16 dot is wrong there). With
+* 1 < M <= 64 (``use_dot=True``): swapped operands, out^T [BLOCK_N, BM] += W_tile [BLOCK_N, BK/2] @ x^T [BK/2, BM]
+  on tensor cores, BM = 16, 32 or 64 (x rows padded by masking), so the weight is read and decoded once for up to
+  64 rows (a 7-token draft block for up to 9 requests); the decoded weight (code * fp8 scale, <= 6 significant
+  bits) is exact in bf16. Under the CPU interpreter the dot runs in fp32 (its bf16 dot is wrong there). With
   ``GemvConfig(prmt=True)`` (CUDA) the decode is the inline PTX of `e2m1_prmt` (byte tables, bf16 scales).
 
 Even and odd K columns are handled separately (low / high nibble), so the packed bytes are never interleaved.
@@ -31,6 +32,9 @@ from .nvfp4_ref import check_packed
 from .w4a16_gemv_words import gemv_words
 
 
+GEMV_MAX_M = 64   # rows of x one tensor-core program covers; above, w4a16_gemm dequantizes once for cuBLAS
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int
@@ -51,6 +55,8 @@ def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfi
     2026-12-01 sweep at every M > 1 shape, 0.88-1.38x bf16, where the integer decode measured 0.51-0.75x)."""
     if m == 1:
         return words_config(n, k, 8, 512, 2, num_sms)
+    if m > 16:   # x tiles of 64 rows: [64, 256] weight tiles need 255 registers, [64, 128] 175 (bench/sass_loop.py)
+        return tensor_core_config(n, k, 64, 128, prmt=dispatch.GEMV_PRMT)
     return tensor_core_config(n, k, prmt=dispatch.GEMV_PRMT)
 
 
@@ -101,7 +107,7 @@ def _store_row(acc, scale_2_ptr, out_ptr, pid_n, N, BLOCK_N: tl.constexpr, SPLIT
 def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_bf16_ptr, scale_2_ptr, out_ptr, M, N, K, stride_xm,
                        stride_om, K_PER_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, JOIN: tl.constexpr, PRMT: tl.constexpr,
-                       EVEN_K: tl.constexpr):
+                       EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
     HALF: tl.constexpr = BLOCK_K // 2
     G: tl.constexpr = BLOCK_K // 16
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -112,9 +118,9 @@ def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_bf16_ptr, scale_2_ptr
         pair = tl.arange(0, HALF)[None, :]                                     # [1, BK/2]
         grp = tl.arange(0, G)[None, :]                                         # [1, G]
         kk = tl.arange(0, BLOCK_K)[None, :]                                    # [1, BK]
-        mm = tl.arange(0, 16)[:, None]                                         # [16, 1]
-        ms = tl.arange(0, 16)[None, :]                                         # [1, 16]
-        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        mm = tl.arange(0, BLOCK_M)[:, None]                                    # [BM, 1]
+        ms = tl.arange(0, BLOCK_M)[None, :]                                    # [1, BM]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:                                                         # no K masks: vector loads
                 bmask, smask, xmask = rows < N, rows < N, mm < M
@@ -139,9 +145,9 @@ def _w4a16_gemv_kernel(x_ptr, packed_ptr, scale_ptr, scale_bf16_ptr, scale_2_ptr
                 b = b.to(tl.int32)
                 w_lo = tl.reshape(tl.reshape(e2m1_value(b), (BLOCK_N, G, 8)) * s[:, :, None], (BLOCK_N, HALF))
                 w_hi = tl.reshape(tl.reshape(e2m1_value(b >> 4), (BLOCK_N, G, 8)) * s[:, :, None], (BLOCK_N, HALF))
-            xv = tl.load(x_ptr + mm * stride_xm + k0 + kk, mask=xmask, other=0.0)                   # [16, BK]
-            x_even, x_odd = tl.split(tl.reshape(xv, (16, HALF, 2)))
-            x_even, x_odd = tl.trans(x_even), tl.trans(x_odd)                  # [BK/2, 16]
+            xv = tl.load(x_ptr + mm * stride_xm + k0 + kk, mask=xmask, other=0.0)                   # [BM, BK]
+            x_even, x_odd = tl.split(tl.reshape(xv, (BLOCK_M, HALF, 2)))
+            x_even, x_odd = tl.trans(x_even), tl.trans(x_odd)                  # [BK/2, BM]
             if DOT_F32:
                 acc += tl.dot(w_lo, x_even.to(tl.float32))
                 acc += tl.dot(w_hi, x_odd.to(tl.float32))
@@ -198,7 +204,8 @@ def _has_bf16x2_mul(device: torch.device) -> bool:
 
 def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor,
                config: GemvConfig | None = None, scale_bf16: Tensor | None = None) -> Tensor:
-    """x [M, K] (M <= 16) @ dequant(packed [N, K/2], weight_scale [N, K/16], weight_scale_2).T -> [M, N] bf16.
+    """x [M, K] (M <= 64; words configs M <= 16) @ dequant(packed [N, K/2], weight_scale [N, K/16],
+    weight_scale_2).T -> [M, N] bf16.
 
     Same semantics as `w4a16_gemm_ref`; a CPU tensor needs TRITON_INTERPRET=1. scale_bf16 (weight_scale as bf16,
     exact) is what the PRMT tensor-core path reads; a caller that owns the weight keeps one, else it is made here.
@@ -207,11 +214,13 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be a float [M, {k}] tensor, got {x.dtype} {tuple(x.shape)}")
     m = x.shape[0]
-    if m > 16:
-        raise ValueError(f"w4a16_gemv handles M <= 16, got M = {m}")
+    if m > GEMV_MAX_M:
+        raise ValueError(f"w4a16_gemv handles M <= {GEMV_MAX_M}, got M = {m}")
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_gemv_config(m, n, k)
+    if cfg.words and m > 16:
+        raise ValueError(f"the words kernel handles M <= 16, got M = {m} ({cfg})")
     if cfg.words:
         if cfg.block_k < 64 or cfg.block_k & (cfg.block_k - 1) or k % 16:
             raise ValueError(f"bad GemvConfig {cfg} for K = {k}: words needs a power-of-2 block_k >= 64, K % 16 == 0")
@@ -241,6 +250,6 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
                              out, m, n, k, x.stride(0), out.stride(0), k_per_split,
                              BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, USE_DOT=use_dot,
                              DOT_F32=dot_f32, JOIN=cfg.join, PRMT=prmt and not dot_f32 and _has_bf16x2_mul(x.device),
-                             EVEN_K=k % cfg.block_k == 0,
+                             EVEN_K=k % cfg.block_k == 0, BLOCK_M=max(16, triton.next_power_of_2(m)),
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(torch.bfloat16) if split > 1 else out

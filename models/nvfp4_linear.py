@@ -48,7 +48,7 @@ class NVFP4Linear(nn.Module):
         return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)   # [N, K]
 
     def keep_dense(self, on: bool = True, min_rows: int = 17) -> None:
-        """Keep the bf16 temporary of the M > 16 path (code x fp8 scale, exact in bf16) instead of dequantizing it
+        """Keep the bf16 temporary of the M > 64 path (code x fp8 scale, exact in bf16) instead of dequantizing it
         every call, and use it from `min_rows` rows on (the same result as that path, 2 bytes more per weight).
         Call again after changing the NVFP4 tensors."""
         self._dense = nvfp4.dequantize(self.weight, self.weight_scale, torch.ones_like(self.weight_scale_2),

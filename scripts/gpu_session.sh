@@ -110,15 +110,16 @@ bench)  # random weights only: engine + NVFP4 GPU tests, the step's ms (bench_st
     timeout 120 python3 bench/bench_gpu.py --models 0.6b 8b --batch 1 8 64 --topk 64 --iters 10 \
         --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" | tail -22 ;;
 gemv)  # random weights: NVFP4 GPU tests, the GEMV sweep with the inline-PTX decode, the draft step without / with it
-    timeout 120 python3 -P -m pytest -q tests/gpu/test_nvfp4_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+    timeout 120 python3 -P -m pytest -q -rf tests/gpu/test_nvfp4_gpu.py 2>&1 > "$OUT/nvfp4_tests.log"
     timeout 330 python3 bench/bench_nvfp4.py --gemv --sweep --out "$OUT/bench_gemv.json" 2>&1 \
-        | tee "$OUT/bench_gemv.log" | tail -26
+        | tee "$OUT/bench_gemv.log" | tail -43
     for p in 0 1; do
         DSPARK_GEMV_PRMT=$p timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_prmt$p.json" 2>&1 \
             | grep -v Warn > "$OUT/bench_step_prmt$p.log"
         echo "DSPARK_GEMV_PRMT=$p"; grep -A6 "==" "$OUT/bench_step_prmt$p.log"
     done
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
-        2>&1 | tee "$OUT/bench_gpu.log" | tail -14 ;;
+        2>&1 | tee "$OUT/bench_gpu.log" | tail -14
+    tail -4 "$OUT/nvfp4_tests.log" ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -88,11 +88,11 @@ def test_distill_loss_compiles(monkeypatch, dtype):
     assert compile_launches(monkeypatch, dl, names, call) == {n: 1 for n in names}
 
 
-@pytest.mark.parametrize("m", [1, 7, 16])
+@pytest.mark.parametrize("m", [1, 7, 16, 56])
 @pytest.mark.parametrize("prmt", [False, True])
 def test_w4a16_gemv_compiles(monkeypatch, m, prmt):
-    """The M <= 16 GEMV paths: tensor cores with the integer or the inline-PTX (prmt) decode, and the word kernel;
-    ptxas checks the PTX of e2m1_prmt here."""
+    """The GEMV paths: tensor cores with the integer or the inline-PTX (prmt) decode (16, 32 or 64 rows of x per
+    program), and the word kernel (M <= 16); ptxas checks the PTX of e2m1_prmt here."""
     from dspark_serve.kernels import w4a16_gemv as g
     from dspark_serve.kernels import w4a16_gemv_words as gw
     n, k = 96, 512
@@ -102,6 +102,8 @@ def test_w4a16_gemv_compiles(monkeypatch, m, prmt):
     kernel = "_w4a16_gemv_kernel"
     assert compile_launches(monkeypatch, g, (kernel,), lambda: g.w4a16_gemv(x, packed, scale, scale_2, cfg),
                             {"PRMT": prmt}) == {kernel: 1}
+    if m > 16:
+        return
     words, cfg = "_gemv_words_kernel", g.words_config(n, k, 8, 512, 2)
     assert compile_launches(monkeypatch, gw, (words,),
                             lambda: g.w4a16_gemv(x, packed, scale, scale_2, cfg)) == {words: 1}

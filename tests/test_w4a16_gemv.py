@@ -1,4 +1,4 @@
-"""W4A16 GEMV (M <= 16) vs w4a16_gemm_ref under the Triton CPU interpreter (small shapes).
+"""W4A16 GEMV (M <= 64) vs w4a16_gemm_ref under the Triton CPU interpreter (small shapes).
 
 Reruns itself in a child process with TRITON_INTERPRET=1 (see tests/test_kernels_nvfp4.py for why). The interpreter
 truncates fp32 -> bf16 stores instead of rounding, so bf16 outputs are compared to within one bf16 ulp.
@@ -83,19 +83,20 @@ else:
         assert words_config(151936, 4096, 16, 1024, 4).split_k == 1
 
     @pytest.mark.parametrize("m,n,k", [(1, 64, 256), (1, 37, 1056), (2, 40, 160), (7, 80, 512), (16, 48, 96),
-                                       (16, 33, 1024), (5, 16, 32)])
+                                       (16, 33, 1024), (5, 16, 32), (21, 40, 256), (56, 24, 160)])
     def test_gemv_default_config_matches_ref(m, n, k):
         packed, scale, scale_2 = nvfp4_ref.quantize(_weight(n, k, seed=m + n))
         x = _x(m, k).to(torch.bfloat16)
         _close(w4a16_gemv(x, packed, scale, scale_2), x, packed, scale, scale_2)
-        _close(w4a16_gemm(x, packed, scale, scale_2), x, packed, scale, scale_2)  # the GEMM sends M <= 16 here
+        _close(w4a16_gemm(x, packed, scale, scale_2), x, packed, scale, scale_2)  # the GEMM sends M <= 64 here
 
     @pytest.mark.parametrize("m,cfg", [
         (1, GemvConfig(8, 64, split_k=3)), (1, GemvConfig(32, 128, split_k=2, use_dot=True)),
         (3, GemvConfig(16, 32, split_k=4, use_dot=True)), (16, GemvConfig(64, 128, use_dot=True)),
         (1, GemvConfig(16, 1024)), (1, GemvConfig(8, 64, split_k=3, join=False)),
         (1, GemvConfig(16, 512, join=False)), (7, GemvConfig(64, 128, use_dot=True, prmt=True)),
-        (16, GemvConfig(32, 32, split_k=4, use_dot=True)), (5, GemvConfig(16, 64, split_k=2, use_dot=True, prmt=True))])
+        (16, GemvConfig(32, 32, split_k=4, use_dot=True)), (5, GemvConfig(16, 64, split_k=2, use_dot=True, prmt=True)),
+        (33, GemvConfig(32, 64, split_k=2, use_dot=True)), (64, GemvConfig(16, 128, use_dot=True, prmt=True))])
     def test_gemv_configs_match_ref(m, cfg):
         n, k = 70, 480                                                  # ragged N and K tails
         packed, scale, scale_2 = nvfp4_ref.quantize(_weight(n, k, seed=3))
@@ -117,7 +118,9 @@ else:
 
     def test_gemv_rejects_large_m():
         packed, scale, scale_2 = nvfp4_ref.quantize(_weight(16, 32))
-        with pytest.raises(ValueError):
-            w4a16_gemv(torch.randn(17, 32), packed, scale, scale_2)
+        with pytest.raises(ValueError, match="M <= 64"):
+            w4a16_gemv(torch.randn(65, 32), packed, scale, scale_2)
+        with pytest.raises(ValueError, match="words kernel handles M <= 16"):
+            w4a16_gemv(torch.randn(17, 32), packed, scale, scale_2, config=GemvConfig(8, 64, words=True))
         with pytest.raises(ValueError):
             w4a16_gemv(torch.randn(1, 32), packed, scale, scale_2, config=GemvConfig(8, 96, words=True))
