@@ -51,11 +51,17 @@ class GemvConfig:
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
     """From H200 sweeps (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md): M == 1 takes the int32-word
     kernel with [8, 512] tiles and 2 warps (1.37-1.69x bf16 on five of the six 8B draft shapes); M > 1 the
-    tensor-core path with [64, 256] tiles and the inline-PTX decode (dispatch.GEMV_PRMT; the best config of the
-    2026-12-01 sweep at every M > 1 shape, 0.88-1.38x bf16, where the integer decode measured 0.51-0.75x)."""
+    tensor-core path with the inline-PTX decode (dispatch.GEMV_PRMT): [64, 256] tiles up to M = 16 (within 5 % of
+    the best config of the 2026-12-01 sweep at every shape, 0.88-1.51x bf16, where the integer decode measured
+    0.51-0.75x); above, the best of that sweep for fc, down and lm_head, and for the other shapes."""
     if m == 1:
         return words_config(n, k, 8, 512, 2, num_sms)
-    if m > 16:   # x tiles of 64 rows: [64, 256] weight tiles need 255 registers, [64, 128] 175 (bench/sass_loop.py)
+    if m > 16:   # [64, 256] weight tiles spill with 32-64 rows of x; long K or a vocab-sized N take wider tiles
+        big = k >= 8192 or n >= 65536
+        if m > 32 and big:
+            return tensor_core_config(n, k, 128, 64, prmt=dispatch.GEMV_PRMT, num_stages=4)
+        if big:
+            return tensor_core_config(n, k, 128, 128, 8, prmt=dispatch.GEMV_PRMT)
         return tensor_core_config(n, k, 64, 128, prmt=dispatch.GEMV_PRMT)
     return tensor_core_config(n, k, prmt=dispatch.GEMV_PRMT)
 
