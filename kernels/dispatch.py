@@ -20,6 +20,8 @@ HAVE_TRITON = _have_triton()  # an optional extra (`dspark-serve[triton]`); CPU 
 # The 1 < M <= 16 NVFP4 GEMV decodes with the inline PTX of e2m1_prmt.py on sm_90+ (1.9-2.2x the integer decode on
 # an H200, bench/RESULTS.md); DSPARK_GEMV_PRMT=0 turns it off
 GEMV_PRMT = os.environ.get("DSPARK_GEMV_PRMT", "1") == "1"
+# DSPARK_DENSE_GEMV=1: the target's decode/verify rows (<= 16) run the Triton dense GEMV of gemv_bf16.py, not cuBLAS
+DENSE_GEMV = os.environ.get("DSPARK_DENSE_GEMV", "0") == "1"
 
 
 def use_triton(t: Tensor) -> bool:

@@ -64,9 +64,12 @@ class MLP(nn.Module):
     def forward_fused(self, x: Tensor) -> Tensor:
         """forward() with one gate/up GEMM (after fuse()) and the Triton silu*mul."""
         from dspark_serve.kernels.fused_ops import silu_mul
+        from dspark_serve.kernels.gemv_bf16 import linear
 
-        gate_up = F.linear(x, self._gate_up) if self._gate_up is not None else \
+        gate_up = linear(x, self._gate_up) if self._gate_up is not None else \
             torch.cat((self.gate_proj(x), self.up_proj(x)), -1)  # [T, 2I]
+        if type(self.down_proj) is nn.Linear:
+            return linear(gate_up, self.down_proj.weight, self.down_proj.bias, silu_x=True)
         return self.down_proj(silu_mul(gate_up))
 
     def fuse(self) -> None:
@@ -113,9 +116,10 @@ class AttentionProjections(nn.Module):
         """query() and key_value() with one GEMM (after fuse()) and one Triton launch for the q/k norms, RoPE and
         the k/v write into the cache slots (attention.store_kv) -> q [T, H, D]."""
         from dspark_serve.kernels.fused_ops import qk_norm_rotary
+        from dspark_serve.kernels.gemv_bf16 import linear
 
         t, d = x.shape[0], self.head_dim
-        qkv = F.linear(x, *self._qkv) if self._qkv is not None else \
+        qkv = linear(x, *self._qkv) if self._qkv is not None else \
             torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)  # [T, (H + 2 KV) * D]
         q = qkv[:, :self.num_heads * d].view(t, self.num_heads, d)
         k = qkv[:, self.num_heads * d:(self.num_heads + self.num_kv_heads) * d].view(t, self.num_kv_heads, d)
@@ -124,6 +128,13 @@ class AttentionProjections(nn.Module):
         kw = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         return qk_norm_rotary(q, k, cos, sin, qw, kw, eps, (v, k_cache, v_cache, slot_mapping))[0]
+
+    def output(self, o: Tensor) -> Tensor:
+        """o_proj of the attention output [T, H * D], through the dense GEMV path of the fused layers."""
+        from dspark_serve.kernels.gemv_bf16 import linear
+
+        p = self.o_proj
+        return linear(o, p.weight, p.bias) if type(p) is nn.Linear else p(o)
 
     def key_value(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)  # [T, KV, D]

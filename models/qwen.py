@@ -51,7 +51,7 @@ class DecoderLayer(nn.Module):
         q = attn.qkv_fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)  # k, v go to the cache
         o = attention(q, kv_cache[0], kv_cache[1], meta, attn.scale)  # [T, H, D]
         ln = self.post_attention_layernorm
-        h, residual = rms_norm(attn.o_proj(o.reshape(x.shape[0], -1)), ln.weight, ln.eps, residual)
+        h, residual = rms_norm(attn.output(o.reshape(x.shape[0], -1)), ln.weight, ln.eps, residual)
         return self.mlp.forward_fused(h), residual
 
 

@@ -16,6 +16,7 @@
 #   bench     random weights only (no staged target): engine and NVFP4 GPU tests, bench_step, bench_nvfp4, bench_gpu
 #   gemv      random weights only: NVFP4 GPU tests, the M <= 16 GEMV sweep (prmt decode included), bench_step
 #             with DSPARK_GEMV_PRMT=0 and 1, bench_gpu at the 8B shapes (P1-P3)
+#   dense     random weights only: the target's dense GEMV (tests, sweep vs cuBLAS), bench_gpu without / with it
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -121,5 +122,16 @@ gemv)  # random weights: NVFP4 GPU tests, the GEMV sweep with the inline-PTX dec
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
         2>&1 | tee "$OUT/bench_gpu.log" | tail -14
     tail -4 "$OUT/nvfp4_tests.log" ;;
+dense)  # random weights: the dense GEMV's GPU tests, its sweep against cuBLAS, bench_gpu without / with it
+    DSPARK_DENSE_GEMV=1 timeout 150 python3 -P -m pytest -q -rf tests/gpu/test_dense_gemv_gpu.py \
+        tests/gpu/test_engine_gpu.py tests/gpu/test_cuda_graphs_gpu.py > "$OUT/dense_tests.log" 2>&1
+    timeout 240 python3 bench/bench_dense_gemv.py --sweep --json "$OUT/bench_dense_gemv.json" 2>&1 \
+        | grep -v Warn | tee "$OUT/bench_dense_gemv.log"
+    for d in 0 1; do
+        echo "DSPARK_DENSE_GEMV=$d"
+        DSPARK_DENSE_GEMV=$d timeout 100 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 \
+            --json "$OUT/bench_gpu_dense$d.json" 2>&1 | grep -A4 "^model graphs"
+    done
+    tail -3 "$OUT/dense_tests.log" ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

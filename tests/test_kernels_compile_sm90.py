@@ -122,3 +122,14 @@ def test_sass_loop_counts_the_hot_loop(monkeypatch):
     assert tc.by_class["mma"] > 0 and prmt.by_class["mma"] > 0
     assert prmt.per_word < 0.6 * tc.per_word
     assert prmt.by_class["load"] == 0 and prmt.by_class["async copy"] > 0
+
+
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize("silu", [False, True])
+def test_dense_gemv_compiles(monkeypatch, m, silu):
+    """The target's dense GEMV: CUDA cores at M = 1, tensor cores above; SwiGLU fused into the load of x."""
+    from dspark_serve.kernels import gemv_bf16 as g
+    w, b = torch.randn(96, 512).bfloat16(), torch.randn(96).bfloat16()
+    x = torch.randn(m, 1024 if silu else 512).bfloat16()
+    assert compile_launches(monkeypatch, g, ("_gemv_kernel",), lambda: g.gemv(x, w, b, silu_x=silu),
+                            {"DOT_F32": False}) == {"_gemv_kernel": 1}

@@ -1,0 +1,146 @@
+"""Dense GEMV for the target's decode and verify rows (M <= 16): x [M, K] @ w [N, K]^T (+ bias) -> [M, N], bf16
+weights, fp32 accumulation, one output rounding; optionally with SwiGLU fused into the load of x.
+
+At batch 1 cuBLAS picks 64-row tiles without split-K for the 8B's qkv projection ([6144, 4096]: 96 CTAs on 132
+SMs) and split-K plus a reduce kernel for o and down (bench/RESULTS.md, P1). Here every program owns BLOCK_N rows
+and walks all of K, so N / BLOCK_N programs fill the SMs without split-K and nothing follows the kernel.
+
+* M == 1: CUDA cores. acc [BN, BK] += w * x over K tiles, one reduction at the end.
+* 1 < M <= 16: tensor cores with swapped operands, out^T [BN, BM] += w [BN, BK] @ x^T [BK, BM] (x padded by masking).
+* ``silu_x=True``: x is the gate/up output [M, 2K]; the kernel reads silu(x[:, :K]) * x[:, K:], rounded to x's
+  dtype as `fused_ops.silu_mul` rounds it, so the down projection needs no separate SwiGLU launch.
+
+The reference is `gemv_ref` (F.linear on the same operands). A CPU tensor needs TRITON_INTERPRET=1; there the
+tensor-core path's dot runs in fp32 (the interpreter's bf16 dot is wrong).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import dispatch
+from .fused_ops import silu_mul, silu_times
+
+
+@dataclass(frozen=True)
+class DenseGemvConfig:
+    block_n: int
+    block_k: int          # a power of 2
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_dense_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> DenseGemvConfig:
+    """The narrowest power-of-2 row tile (from 64 down to 16) that still gives every SM two programs."""
+    block_n = 64
+    while block_n > 16 and triton.cdiv(n, block_n) < 2 * num_sms:
+        block_n //= 2
+    if m == 1:
+        return DenseGemvConfig(block_n, 512 if block_n <= 32 else 256, num_warps=4)
+    return DenseGemvConfig(max(block_n, 16), 128, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
+                 DOT_F32: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
+                 LIBDEVICE: tl.constexpr, EVEN_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
+    kk = tl.arange(0, BLOCK_K)                                                 # [BK]
+    if USE_DOT:
+        ms = tl.arange(0, BLOCK_M)                                             # [BM]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                wmask, xmask = rows[:, None] < N, ms[None, :] < M
+            else:
+                wmask = (rows[:, None] < N) & (k0 + kk[None, :] < K)
+                xmask = (ms[None, :] < M) & (k0 + kk[:, None] < K)
+            w = tl.load(w_ptr + rows[:, None] * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)   # [BN, BK]
+            xp = x_ptr + ms[None, :] * stride_xm + k0 + kk[:, None]                                   # [BK, BM]
+            xt = tl.load(xp, mask=xmask, other=0.0)
+            if SILU:
+                xt = silu_times(xt.to(tl.float32), tl.load(xp + K, mask=xmask, other=0.0).to(tl.float32), BF16,
+                                LIBDEVICE).to(w.dtype)
+            if DOT_F32:
+                acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
+            else:
+                acc += tl.dot(w, xt.to(w.dtype))
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + ms[None, :] * stride_om + rows[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < N) & (ms[None, :] < M))
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                wmask, xmask = rows[:, None] < N, kk >= 0
+            else:
+                wmask, xmask = (rows[:, None] < N) & (k0 + kk[None, :] < K), k0 + kk < K
+            w = tl.load(w_ptr + rows[:, None] * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)   # [BN, BK]
+            xv = tl.load(x_ptr + k0 + kk, mask=xmask, other=0.0).to(tl.float32)                        # [BK]
+            if SILU:
+                xv = silu_times(xv, tl.load(x_ptr + K + k0 + kk, mask=xmask, other=0.0).to(tl.float32), BF16,
+                                LIBDEVICE)
+            acc += w.to(tl.float32) * xv[None, :]
+        out = tl.sum(acc, axis=1)                                              # [BN]
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, silu_x: bool = False,
+         config: DenseGemvConfig | None = None) -> Tensor:
+    """x [M, K] (or [M, 2K] gate/up with silu_x) @ w [N, K]^T (+ bias [N]) -> [M, N] in w's dtype; M <= 16."""
+    if w.dim() != 2 or w.stride(1) != 1:
+        raise ValueError(f"w must be [N, K] with unit column stride, got {tuple(w.shape)}")
+    n, k = w.shape
+    width = 2 * k if silu_x else k
+    if x.dim() != 2 or x.shape[1] != width or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be a float [M, {width}] tensor, got {x.dtype} {tuple(x.shape)}")
+    m = x.shape[0]
+    if m > 16:
+        raise ValueError(f"gemv handles M <= 16, got M = {m}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or default_dense_gemv_config(m, n, k)
+    if cfg.block_k & (cfg.block_k - 1) or cfg.block_k < 16 or (m > 1 and cfg.block_n < 16):
+        raise ValueError(f"bad DenseGemvConfig {cfg}: block_k a power of 2 >= 16, block_n >= 16 for M > 1")
+    out = torch.empty(m, n, device=x.device, dtype=w.dtype)
+    if m == 0 or n == 0:
+        return out
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=max(16, triton.next_power_of_2(m)), USE_DOT=m > 1,
+        DOT_F32=not x.is_cuda or w.dtype == torch.float32, SILU=silu_x, HAS_BIAS=bias is not None,
+        BF16=x.dtype == torch.bfloat16, LIBDEVICE=x.is_cuda, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def gemv_ref(x: Tensor, w: Tensor, bias: Tensor | None = None, silu_x: bool = False) -> Tensor:
+    """The same in PyTorch: F.linear, after F.silu(gate) * up when silu_x (each rounded to x's dtype)."""
+    if silu_x:
+        g, u = x.chunk(2, dim=-1)
+        x = F.silu(g) * u
+    return F.linear(x.to(w.dtype), w, bias)
+
+
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, silu_x: bool = False) -> Tensor:
+    """F.linear for the target's fused decoder layers: up to 16 rows of bf16 CUDA activations take `gemv` when
+    dispatch.DENSE_GEMV is on, everything else F.linear (after `silu_mul` when silu_x). SwiGLU is fused at one row
+    only: with more, each program would recompute it for as many x values as it reads weights (sm_90 SASS: 85
+    instead of 3.6 instructions per weight at M = 8)."""
+    if (dispatch.DENSE_GEMV and x.is_cuda and x.shape[0] <= 16 and x.dtype == w.dtype == torch.bfloat16
+            and w.stride(1) == 1):
+        if silu_x and x.shape[0] > 1:
+            return gemv(silu_mul(x), w, bias)
+        return gemv(x, w, bias, silu_x)
+    return F.linear(silu_mul(x) if silu_x else x, w, bias)

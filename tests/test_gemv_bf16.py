@@ -1,0 +1,67 @@
+"""Dense GEMV (kernels/gemv_bf16.py) vs F.linear under the Triton CPU interpreter (small shapes), and the model
+layers that route decode rows through it.
+
+Reruns itself in a child process with TRITON_INTERPRET=1. The interpreter truncates fp32 -> bf16 stores instead of
+rounding, so bf16 outputs are compared to within one bf16 ulp plus another summation order's error.
+"""
+
+import pytest
+import torch
+
+from interpreter import INTERPRETED, rerun_under_interpreter
+
+if not INTERPRETED:
+    def test_dense_gemv_under_interpreter():
+        rerun_under_interpreter(__file__)
+else:
+    from dspark_serve.kernels.gemv_bf16 import DenseGemvConfig, default_dense_gemv_config, gemv, gemv_ref
+
+    def _close(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+        slack = 2 ** -18 * (x.float().abs() @ w.float().abs().T)
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        assert ((got.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs() + 1e-6 + slack).all()
+
+    def _operands(m: int, n: int, k: int, dtype: torch.dtype, silu: bool = False, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(m, 2 * k if silu else k, generator=g).to(dtype)
+        w = (torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n)[:, None]).to(dtype)
+        return x, w, torch.randn(n, generator=g).to(dtype)
+
+    @pytest.mark.parametrize("m,n,k", [(1, 70, 480), (1, 16, 512), (3, 40, 160), (8, 70, 256), (16, 33, 96)])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_gemv_matches_linear(m, n, k, dtype):
+        x, w, b = _operands(m, n, k, dtype, seed=m + n)
+        _close(gemv(x, w), gemv_ref(x, w), x, w)
+        _close(gemv(x, w, b), gemv_ref(x, w, b), x, w)
+
+    @pytest.mark.parametrize("m,cfg", [(1, DenseGemvConfig(8, 64)), (1, DenseGemvConfig(32, 128, num_warps=8)),
+                                       (7, DenseGemvConfig(16, 32)), (16, DenseGemvConfig(64, 64, num_stages=2))])
+    def test_gemv_configs_with_ragged_tails(m, cfg):
+        x, w, b = _operands(m, 70, 200, torch.bfloat16, seed=3)                      # N and K tails
+        _close(gemv(x, w, b, config=cfg), gemv_ref(x, w, b), x, w)
+
+    @pytest.mark.parametrize("m,k", [(1, 256), (1, 200), (5, 128), (8, 100)])
+    def test_gemv_fuses_swiglu_as_silu_mul_rounds_it(m, k):
+        """silu_x reads F.silu(gate) * up with silu_mul's roundings: the same as gemv on silu_mul's output."""
+        from dspark_serve.kernels.fused_ops import silu_mul
+        x, w, _ = _operands(m, 48, k, torch.bfloat16, silu=True, seed=k)
+        assert torch.equal(gemv(x, w, silu_x=True), gemv(silu_mul(x), w))
+        _close(gemv(x, w, silu_x=True), gemv_ref(x, w, silu_x=True), silu_mul(x), w)
+
+    def test_gemv_rejects_bad_input():
+        x, w, b = _operands(2, 16, 64, torch.bfloat16)
+        with pytest.raises(ValueError, match="M <= 16"):
+            gemv(torch.randn(17, 64).bfloat16(), w)
+        with pytest.raises(ValueError, match=r"x must be a float \[M, 128\]"):
+            gemv(x, w, silu_x=True)
+        with pytest.raises(ValueError, match="bias must be"):
+            gemv(x, w, b[:3])
+        with pytest.raises(ValueError, match="bad DenseGemvConfig"):
+            gemv(x, w, config=DenseGemvConfig(8, 64))
+        assert gemv(x[:0], w).shape == (0, 16)
+
+    def test_default_config_fills_the_sms():
+        """8B shapes: enough row tiles for two programs per SM where N allows, never below 16 rows."""
+        assert default_dense_gemv_config(1, 6144, 4096).block_n == 16          # qkv: 384 programs
+        assert default_dense_gemv_config(1, 24576, 4096).block_n == 64         # gate/up: 384 programs
+        assert default_dense_gemv_config(8, 4096, 12288).block_n == 16
