@@ -8,7 +8,7 @@ and walks all of K, so N / BLOCK_N programs fill the SMs without split-K and not
 * M == 1: CUDA cores. acc [BN, BK] += w * x over K tiles, one reduction at the end.
 * 1 < M <= 16: tensor cores with swapped operands, out^T [BN, BM] += w [BN, BK] @ x^T [BK, BM] (x padded by masking).
 * ``silu_x=True``: x is the gate/up output [M, 2K]; the kernel reads silu(x[:, :K]) * x[:, K:], rounded to x's
-  dtype as `fused_ops.silu_mul` rounds it, so the down projection needs no separate SwiGLU launch.
+  dtype as `fused_ops.silu_mul` rounds it (one launch instead of two; at M = 1 on the H200 no faster than the two).
 
 The reference is `gemv_ref` (F.linear on the same operands). A CPU tensor needs TRITON_INTERPRET=1; there the
 tensor-core path's dot runs in fp32 (the interpreter's bf16 dot is wrong).
@@ -34,14 +34,15 @@ class DenseGemvConfig:
     num_stages: int = 3
 
 
-def default_dense_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> DenseGemvConfig:
-    """The narrowest power-of-2 row tile (from 64 down to 16) that still gives every SM two programs."""
-    block_n = 64
-    while block_n > 16 and triton.cdiv(n, block_n) < 2 * num_sms:
-        block_n //= 2
-    if m == 1:
-        return DenseGemvConfig(block_n, 512 if block_n <= 32 else 256, num_warps=4)
-    return DenseGemvConfig(max(block_n, 16), 128, num_warps=4, num_stages=4)
+def default_dense_gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
+    """From the H200 sweep (bench/bench_dense_gemv.py --sweep, bench/RESULTS.md) at M = 1: 16-row tiles; the
+    longest K steps with 8 warps for long K or few rows, the shortest for vocab- and MLP-wide N. M > 1 (tensor
+    cores): [64, 128] tiles, the best at M = 8 on most shapes (cuBLAS was faster on qkv, o and down there)."""
+    if m > 1:
+        return DenseGemvConfig(64, 128, num_warps=4, num_stages=4)
+    if k >= 8192 or n <= 4096:
+        return DenseGemvConfig(16, 1024, num_warps=8)
+    return DenseGemvConfig(16, 256 if n >= 9728 else 512, num_warps=4)
 
 
 @triton.jit
@@ -134,13 +135,13 @@ def gemv_ref(x: Tensor, w: Tensor, bias: Tensor | None = None, silu_x: bool = Fa
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, silu_x: bool = False) -> Tensor:
-    """F.linear for the target's fused decoder layers: up to 16 rows of bf16 CUDA activations take `gemv` when
-    dispatch.DENSE_GEMV is on, everything else F.linear (after `silu_mul` when silu_x). SwiGLU is fused at one row
-    only: with more, each program would recompute it for as many x values as it reads weights (sm_90 SASS: 85
-    instead of 3.6 instructions per weight at M = 8)."""
-    if (dispatch.DENSE_GEMV and x.is_cuda and x.shape[0] <= 16 and x.dtype == w.dtype == torch.bfloat16
+    """F.linear for the target's fused decoder layers (after `silu_mul` when silu_x): one row of bf16 CUDA
+    activations (plain decode at batch 1) takes `gemv` when dispatch.DENSE_GEMV is on. On the H200 cuBLAS was
+    faster at 8 rows on three of the 8B's four projections, and fusing SwiGLU into the down projection's load
+    measured no faster than silu_mul + gemv (bench/RESULTS.md), so neither is used here."""
+    if silu_x:
+        x = silu_mul(x)
+    if (dispatch.DENSE_GEMV and x.is_cuda and x.shape[0] == 1 and x.dtype == w.dtype == torch.bfloat16
             and w.stride(1) == 1):
-        if silu_x and x.shape[0] > 1:
-            return gemv(silu_mul(x), w, bias)
-        return gemv(x, w, bias, silu_x)
-    return F.linear(silu_mul(x) if silu_x else x, w, bias)
+        return gemv(x, w, bias)
+    return F.linear(x, w, bias)
