@@ -20,8 +20,9 @@ HAVE_TRITON = _have_triton()  # an optional extra (`dspark-serve[triton]`); CPU 
 # The 1 < M <= 16 NVFP4 GEMV decodes with the inline PTX of e2m1_prmt.py on sm_90+ (1.9-2.2x the integer decode on
 # an H200, bench/RESULTS.md); DSPARK_GEMV_PRMT=0 turns it off
 GEMV_PRMT = os.environ.get("DSPARK_GEMV_PRMT", "1") == "1"
-# DSPARK_DENSE_GEMV=1: the target's decode/verify rows (<= 16) run the Triton dense GEMV of gemv_bf16.py, not cuBLAS
-DENSE_GEMV = os.environ.get("DSPARK_DENSE_GEMV", "0") == "1"
+# The target's batch-1 decode row runs the Triton dense GEMV of gemv_bf16.py instead of cuBLAS (8B plain step on an
+# H200: 4.52 instead of 4.82 ms, bench/RESULTS.md); DSPARK_DENSE_GEMV=0 turns it off
+DENSE_GEMV = os.environ.get("DSPARK_DENSE_GEMV", "1") == "1"
 
 
 def use_triton(t: Tensor) -> bool:
