@@ -152,6 +152,34 @@ def bench_draft(name: str, batches: list[int], context: int, device: str, dtype:
     return rows
 
 
+def kernel_table(name: str, context: int, device: str, dtype: torch.dtype, top: int, steps: int = 20) -> list[dict]:
+    """Device time per kernel of the plain batch-1 step (torch.profiler over graph replays; on CPU, self time per
+    op) -> rows, printed."""
+    model = random_module(lambda: QwenForCausalLM(target_config(name, dtype)), device, dtype).eval()
+    side = TargetSide(model, -(-(context + 16) // BLOCK) + 1, BLOCK)
+    side.use_static_shapes((1,), max_model_len=context + 64)
+    reqs = requests(1, context, 7)
+    reqs[0].target_blocks = side.allocator.allocate(context + 16)
+    for _ in range(3):
+        side.run(reqs, [[5]], last_only=False)
+    sync(device)
+    cuda = device.startswith("cuda")
+    acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            side.run(reqs, [[5]], last_only=False)
+        sync(device)
+    key = "device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))
+    rows = [{"kernel": e.key, "us_per_step": getattr(e, key) / steps, "calls_per_step": e.count / steps}
+            for e in events]
+    print(f"{name} plain step, batch 1: {sum(r['us_per_step'] for r in rows):.1f} us per step in all")
+    for r in rows[:top]:
+        print(f"{r['us_per_step']:9.1f} us/step {r['calls_per_step']:6.1f} calls/step  {r['kernel'][:90]}")
+    del model
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["8b", "0.6b"], choices=list(SHAPES))
@@ -161,6 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, few iterations (smoke test)")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also profile the plain batch-1 step per kernel and print the N costliest")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -187,6 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = f"{r['draft_over_verify']:.3f}" if r["draft_over_verify"] is not None else "-"
         print(f"{r['model']:>5} {r['format']:>5} {r['topk']:>4} {str(r['graphs']):>6} {r['batch']:>5} "
               f"{r['draft_ms']:>9.3f} {ratio:>12}")
+    if args.kernels:
+        result["kernels"] = {name: kernel_table(name, args.context, args.device, dtype, args.kernels)
+                             for name in args.models}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result
