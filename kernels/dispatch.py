@@ -17,7 +17,7 @@ def _have_triton() -> bool:
 
 
 HAVE_TRITON = _have_triton()  # an optional extra (`dspark-serve[triton]`); CPU torch comes without it
-# The 1 < M <= 16 NVFP4 GEMV decodes with the inline PTX of e2m1_prmt.py on sm_90+ (1.9-2.2x the integer decode on
+# The 1 < M <= 64 NVFP4 GEMV decodes with the inline PTX of e2m1_prmt.py on sm_90+ (1.7-2.4x the integer decode on
 # an H200, bench/RESULTS.md); DSPARK_GEMV_PRMT=0 turns it off
 GEMV_PRMT = os.environ.get("DSPARK_GEMV_PRMT", "1") == "1"
 # The target's batch-1 decode row runs the Triton dense GEMV of gemv_bf16.py instead of cuBLAS (8B plain step on an

@@ -52,8 +52,9 @@ def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfi
     """From H200 sweeps (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md): M == 1 takes the int32-word
     kernel with [8, 512] tiles and 2 warps (1.37-1.69x bf16 on five of the six 8B draft shapes); M > 1 the
     tensor-core path with the inline-PTX decode (dispatch.GEMV_PRMT): [64, 256] tiles up to M = 16 (within 5 % of
-    the best config of the 2026-12-01 sweep at every shape, 0.88-1.51x bf16, where the integer decode measured
-    0.51-0.75x); above, the best of that sweep for fc, down and lm_head, and for the other shapes."""
+    the best config of the 2026-12-01 sweep at every shape, 0.88-1.48x bf16, where the integer decode measured
+    0.51-0.75x); above 16 rows the sweep's best, one for long K or a vocab-sized N (fc, down, lm_head), one for
+    the rest."""
     if m == 1:
         return words_config(n, k, 8, 512, 2, num_sms)
     if m > 16:   # [64, 256] weight tiles spill with 32-64 rows of x; long K or a vocab-sized N take wider tiles
