@@ -1,5 +1,6 @@
-"""Dense GEMV for the target's decode and verify rows (M <= 16): x [M, K] @ w [N, K]^T (+ bias) -> [M, N], bf16
-weights, fp32 accumulation, one output rounding; optionally with SwiGLU fused into the load of x.
+"""Dense GEMV for decode rows (M <= 16; the target's layers use it at one row, `linear`): x [M, K] @ w [N, K]^T
+(+ bias) -> [M, N], bf16 weights, fp32 accumulation, one output rounding; optionally with SwiGLU fused into the
+load of x.
 
 At batch 1 cuBLAS picks 64-row tiles without split-K for the 8B's qkv projection ([6144, 4096]: 96 CTAs on 132
 SMs) and split-K plus a reduce kernel for o and down (bench/RESULTS.md, P1). Here every program owns BLOCK_N rows
