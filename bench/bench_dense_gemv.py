@@ -1,5 +1,5 @@
 """The dense bf16 GEMV (kernels/gemv_bf16.py) against cuBLAS (F.linear) at the target's decode and verify rows, on
-the Qwen3-8B and demo-pair (Qwen2.5-0.5B) projection shapes; down also with SwiGLU fused against silu_mul + F.linear.
+the Qwen3-8B and demo-pair (Qwen2.5-0.5B) projection shapes.
 Each config is checked against F.linear first; times are CUDA-graph replays over weight copies larger than L2.
 
     python bench/bench_dense_gemv.py [--sweep] [--json out.json]
@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from bench_nvfp4 import ROTATE_BYTES, copy_bandwidth_gbs, graph_time_us
-from dspark_serve.kernels.fused_ops import silu_mul
 from dspark_serve.kernels.gemv_bf16 import DenseGemvConfig, default_dense_gemv_config, gemv
 
 SHAPES = {"8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
@@ -35,38 +34,29 @@ def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 def bench_shape(model: str, name: str, n: int, k: int, copy_gbs: float, do_sweep: bool) -> list[dict]:
-    silu = name == "down"
     copies = max(1, min(32, ROTATE_BYTES // (2 * n * k)))
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     rows = []
     for m in (1, 8):
-        x = torch.randn(m, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
-        xin = silu_mul(x) if silu else x
-        ref = F.linear(xin, ws[0])
-        cublas_us = graph_time_us([lambda w=w: F.linear(xin, w) for w in ws])
-        unfused_us = graph_time_us([lambda w=w: F.linear(silu_mul(x), w) for w in ws]) if silu else None
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, ws[0])
+        cublas_us = graph_time_us([lambda w=w: F.linear(x, w) for w in ws])
         results = []
         for cfg in dict.fromkeys([default_dense_gemv_config(m, n, k)] + (sweep(m) if do_sweep else [])):
-            if not close(gemv(xin, ws[0], config=cfg), ref) or (silu and not close(gemv(x, ws[0], silu_x=True,
-                                                                                      config=cfg), ref)):
+            if not close(gemv(x, ws[0], config=cfg), ref):
                 print(f"WRONG {model} {name} M={m} {cfg}")
                 continue
-            us = graph_time_us([lambda w=w, cfg=cfg: gemv(xin, w, config=cfg) for w in ws])
-            fused = graph_time_us([lambda w=w, cfg=cfg: gemv(x, w, silu_x=True, config=cfg) for w in ws]) \
-                if silu else None
-            results.append((us, fused, cfg))
-        us, fused, cfg = results[0]
-        best_us, _, best = min(results, key=lambda r: r[0])
+            results.append((graph_time_us([lambda w=w, cfg=cfg: gemv(x, w, config=cfg) for w in ws]), cfg))
+        us, cfg = results[0]
+        best_us, best = min(results, key=lambda r: r[0])
         gbs = 2 * n * k / us / 1e3
         rows.append({"model": model, "shape": name, "N": n, "K": k, "M": m, "us": us, "GBps": gbs,
                      "pct_copy": 100 * gbs / copy_gbs, "cublas_us": cublas_us, "speedup_vs_cublas": cublas_us / us,
                      "best_us": best_us, "best_config": best.__dict__, "config": cfg.__dict__,
-                     "fused_silu_us": fused, "silu_mul_plus_cublas_us": unfused_us,
-                     "all": [(t, f, c.__dict__) for t, f, c in results]})
-        extra = f" | SwiGLU fused {fused:7.2f} vs silu_mul + cuBLAS {unfused_us:7.2f}" if silu else ""
+                     "all": [(t, c.__dict__) for t, c in results]})
         print(f"{model:5s} {name:8s} [{n:6d}, {k:5d}] M={m} gemv {us:7.2f} us ({100 * gbs / copy_gbs:5.1f}% of copy) "
               f"cuBLAS {cublas_us:7.2f} us x{cublas_us / us:4.2f} | best {best_us:7.2f} "
-              f"[{best.block_n}, {best.block_k}, {best.num_warps}, {best.num_stages}]{extra}", flush=True)
+              f"[{best.block_n}, {best.block_k}, {best.num_warps}, {best.num_stages}]", flush=True)
     del ws
     torch.cuda.empty_cache()
     return rows

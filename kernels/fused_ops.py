@@ -113,18 +113,12 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, BF16: tl.constexpr, LIBDEVIC
     mask = i < I
     g = tl.load(gu_ptr + t * stride_gu + i, mask=mask, other=0.0).to(tl.float32)                   # [BLOCK]
     u = tl.load(gu_ptr + t * stride_gu + I + i, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * I + i, silu_times(g, u, BF16, LIBDEVICE).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def silu_times(g, u, BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """fp32 gate and up -> F.silu(g) * u with torch's two roundings to bf16 (when BF16), still fp32."""
     if LIBDEVICE:
         e = libdevice.exp(-g)
     else:
         e = tl.exp(-g)
     s = _round(tl.math.div_rn(g, 1.0 + e), BF16)                                                   # F.silu(g)
-    return _round(s * u, BF16)
+    tl.store(out_ptr + t * I + i, _round(s * u, BF16).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_dtype(name: str, t: Tensor) -> None:

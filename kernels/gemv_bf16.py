@@ -1,6 +1,5 @@
 """Dense GEMV for decode rows (M <= 16; the target's layers use it at one row, `linear`): x [M, K] @ w [N, K]^T
-(+ bias) -> [M, N], bf16 weights, fp32 accumulation, one output rounding; optionally with SwiGLU fused into the
-load of x.
+(+ bias) -> [M, N], bf16 weights, fp32 accumulation, one output rounding.
 
 At batch 1 cuBLAS picks 64-row tiles without split-K for the 8B's qkv projection ([6144, 4096]: 96 CTAs on 132
 SMs) and split-K plus a reduce kernel for o and down (bench/RESULTS.md, P1). Here every program owns BLOCK_N rows
@@ -8,8 +7,6 @@ and walks all of K, so N / BLOCK_N programs fill the SMs without split-K and not
 
 * M == 1: CUDA cores. acc [BN, BK] += w * x over K tiles, one reduction at the end.
 * 1 < M <= 16: tensor cores with swapped operands, out^T [BN, BM] += w [BN, BK] @ x^T [BK, BM] (x padded by masking).
-* ``silu_x=True``: x is the gate/up output [M, 2K]; the kernel reads silu(x[:, :K]) * x[:, K:], rounded to x's
-  dtype as `fused_ops.silu_mul` rounds it (one launch instead of two; at M = 1 on the H200 no faster than the two).
 
 The reference is `gemv_ref` (F.linear on the same operands). A CPU tensor needs TRITON_INTERPRET=1; there the
 tensor-core path's dot runs in fp32 (the interpreter's bf16 dot is wrong).
@@ -24,7 +21,6 @@ import triton.language as tl
 from torch import Tensor
 
 from . import dispatch
-from .fused_ops import silu_mul, silu_times
 
 
 @dataclass(frozen=True)
@@ -49,8 +45,7 @@ def default_dense_gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr, SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BF16: tl.constexpr,
-                 LIBDEVICE: tl.constexpr, EVEN_K: tl.constexpr):
+                 DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
     kk = tl.arange(0, BLOCK_K)                                                 # [BK]
@@ -64,11 +59,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
                 wmask = (rows[:, None] < N) & (k0 + kk[None, :] < K)
                 xmask = (ms[None, :] < M) & (k0 + kk[:, None] < K)
             w = tl.load(w_ptr + rows[:, None] * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)   # [BN, BK]
-            xp = x_ptr + ms[None, :] * stride_xm + k0 + kk[:, None]                                   # [BK, BM]
-            xt = tl.load(xp, mask=xmask, other=0.0)
-            if SILU:
-                xt = silu_times(xt.to(tl.float32), tl.load(xp + K, mask=xmask, other=0.0).to(tl.float32), BF16,
-                                LIBDEVICE).to(w.dtype)
+            xt = tl.load(x_ptr + ms[None, :] * stride_xm + k0 + kk[:, None], mask=xmask, other=0.0)   # [BK, BM]
             if DOT_F32:
                 acc += tl.dot(w.to(tl.float32), xt.to(tl.float32))
             else:
@@ -86,9 +77,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
                 wmask, xmask = (rows[:, None] < N) & (k0 + kk[None, :] < K), k0 + kk < K
             w = tl.load(w_ptr + rows[:, None] * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)   # [BN, BK]
             xv = tl.load(x_ptr + k0 + kk, mask=xmask, other=0.0).to(tl.float32)                        # [BK]
-            if SILU:
-                xv = silu_times(xv, tl.load(x_ptr + K + k0 + kk, mask=xmask, other=0.0).to(tl.float32), BF16,
-                                LIBDEVICE)
             acc += w.to(tl.float32) * xv[None, :]
         out = tl.sum(acc, axis=1)                                              # [BN]
         if HAS_BIAS:
@@ -96,15 +84,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
-def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, silu_x: bool = False,
-         config: DenseGemvConfig | None = None) -> Tensor:
-    """x [M, K] (or [M, 2K] gate/up with silu_x) @ w [N, K]^T (+ bias [N]) -> [M, N] in w's dtype; M <= 16."""
+def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, config: DenseGemvConfig | None = None) -> Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in w's dtype; M <= 16."""
     if w.dim() != 2 or w.stride(1) != 1:
         raise ValueError(f"w must be [N, K] with unit column stride, got {tuple(w.shape)}")
     n, k = w.shape
-    width = 2 * k if silu_x else k
-    if x.dim() != 2 or x.shape[1] != width or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x must be a float [M, {width}] tensor, got {x.dtype} {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be a float [M, {k}] tensor, got {x.dtype} {tuple(x.shape)}")
     m = x.shape[0]
     if m > 16:
         raise ValueError(f"gemv handles M <= 16, got M = {m}")
@@ -121,27 +107,20 @@ def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, silu_x: bool = False,
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=max(16, triton.next_power_of_2(m)), USE_DOT=m > 1,
-        DOT_F32=not x.is_cuda or w.dtype == torch.float32, SILU=silu_x, HAS_BIAS=bias is not None,
-        BF16=x.dtype == torch.bfloat16, LIBDEVICE=x.is_cuda, EVEN_K=k % cfg.block_k == 0,
+        DOT_F32=not x.is_cuda or w.dtype == torch.float32, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
-def gemv_ref(x: Tensor, w: Tensor, bias: Tensor | None = None, silu_x: bool = False) -> Tensor:
-    """The same in PyTorch: F.linear, after F.silu(gate) * up when silu_x (each rounded to x's dtype)."""
-    if silu_x:
-        g, u = x.chunk(2, dim=-1)
-        x = F.silu(g) * u
+def gemv_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The same in PyTorch: F.linear."""
     return F.linear(x.to(w.dtype), w, bias)
 
 
-def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, silu_x: bool = False) -> Tensor:
-    """F.linear for the target's fused decoder layers (after `silu_mul` when silu_x): one row of bf16 CUDA
-    activations (plain decode at batch 1) takes `gemv` when dispatch.DENSE_GEMV is on. On the H200 cuBLAS was
-    faster at 8 rows on three of the 8B's four projections, and fusing SwiGLU into the down projection's load
-    measured no faster than silu_mul + gemv (bench/RESULTS.md), so neither is used here."""
-    if silu_x:
-        x = silu_mul(x)
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear for the target's fused decoder layers: one row of bf16 CUDA activations (plain decode at batch 1)
+    takes `gemv` when dispatch.DENSE_GEMV is on. On the H200 cuBLAS was faster at 8 rows on three of the 8B's four
+    projections (bench/RESULTS.md), so more rows keep it."""
     if (dispatch.DENSE_GEMV and x.is_cuda and x.shape[0] == 1 and x.dtype == w.dtype == torch.bfloat16
             and w.stride(1) == 1):
         return gemv(x, w, bias)

@@ -68,9 +68,8 @@ class MLP(nn.Module):
 
         gate_up = linear(x, self._gate_up) if self._gate_up is not None else \
             torch.cat((self.gate_proj(x), self.up_proj(x)), -1)  # [T, 2I]
-        if type(self.down_proj) is nn.Linear:
-            return linear(gate_up, self.down_proj.weight, self.down_proj.bias, silu_x=True)
-        return self.down_proj(silu_mul(gate_up))
+        h, down = silu_mul(gate_up), self.down_proj
+        return linear(h, down.weight, down.bias) if type(down) is nn.Linear else down(h)
 
     def fuse(self) -> None:
         """One [2I, hidden] weight for gate and up; their parameters become views into it (inference only)."""

@@ -14,7 +14,7 @@
 #   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
 #   fast      the Triton fast path's GPU tests, the shipped pair at batch 1 vs compiled generate, bench_gpu
 #   bench     random weights only (no staged target): engine and NVFP4 GPU tests, bench_step, bench_nvfp4, bench_gpu
-#   gemv      random weights only: NVFP4 GPU tests, the M <= 16 GEMV sweep (prmt decode included), bench_step
+#   gemv      random weights only: NVFP4 GPU tests, the M <= 64 GEMV sweep (prmt decode included), bench_step
 #             with DSPARK_GEMV_PRMT=0 and 1, bench_gpu at the 8B shapes (P1-P3)
 #   dense     random weights only: the target's dense GEMV (tests, sweep vs cuBLAS), bench_gpu without / with it
 set -uo pipefail
@@ -111,7 +111,7 @@ bench)  # random weights only: engine + NVFP4 GPU tests, the step's ms (bench_st
     timeout 120 python3 bench/bench_gpu.py --models 0.6b 8b --batch 1 8 64 --topk 64 --iters 10 \
         --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" | tail -22 ;;
 gemv)  # random weights: NVFP4 GPU tests, the GEMV sweep with the inline-PTX decode, the draft step without / with it
-    timeout 120 python3 -P -m pytest -q -rf tests/gpu/test_nvfp4_gpu.py 2>&1 > "$OUT/nvfp4_tests.log"
+    timeout 120 python3 -P -m pytest -q -rf tests/gpu/test_nvfp4_gpu.py > "$OUT/nvfp4_tests.log" 2>&1
     timeout 330 python3 bench/bench_nvfp4.py --gemv --sweep --out "$OUT/bench_gemv.json" 2>&1 \
         | tee "$OUT/bench_gemv.log" | tail -43
     for p in 0 1; do
