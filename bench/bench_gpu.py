@@ -23,6 +23,7 @@ from dspark_serve.engine.request import Request
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.engine.spec_config import SpeculativeConfig
 from dspark_serve.engine.target_side import TargetSide
+from dspark_serve.kernels import dispatch
 from dspark_serve.models.config import ModelConfig
 from dspark_serve.models.draft_config import DraftConfig
 from dspark_serve.models.dspark import DSparkDraft
@@ -87,15 +88,36 @@ def requests(batch: int, context: int, n_draft: int) -> list[Request]:
     return reqs
 
 
+def parse_dispatch(spec: str) -> dict[str, float]:
+    """"PDL=1,L2_PREFETCH_MB=32" -> {"PDL": 1.0, "L2_PREFETCH_MB": 32.0}: kernels/dispatch.py switches."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if not hasattr(dispatch, key) or key.startswith("_") or not value:
+            raise SystemExit(f"--dispatch: {item!r} is not NAME=VALUE for a kernels/dispatch.py switch")
+        out[key] = float(value)
+    return out
+
+
+def set_dispatch(settings: dict[str, float]) -> None:
+    for key, value in settings.items():
+        setattr(dispatch, key, type(getattr(dispatch, key))(value))
+
+
 def bench_target(name: str, batches: list[int], context: int, device: str, dtype: torch.dtype, iters: int,
-                 gbps: float) -> list[dict]:
+                 gbps: float, variants: list[str] | None = None, repeat: int = 1) -> list[dict]:
+    """Graphs and eager; with variants (dispatch specs), graphs only, each variant in turn, `repeat` rounds."""
     cfg = target_config(name, dtype)
     model = random_module(lambda: QwenForCausalLM(cfg), device, dtype).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     floor_ms = weight_bytes / gbps / 1e6
     need = max(batches) * -(-(context + 16) // BLOCK)
     rows = []
-    for static in (True, False):
+    runs = [(True, v) for _ in range(repeat) for v in variants] if variants else [(True, None), (False, None)]
+    saved = {k: getattr(dispatch, k) for v in variants or [] for k in parse_dispatch(v)}
+    for static, variant in runs:
+        if variant is not None:
+            set_dispatch(parse_dispatch(variant))
         side = TargetSide(model, need, BLOCK)
         if static:
             side.use_static_shapes((1, 8), max_model_len=context + 64)
@@ -109,7 +131,11 @@ def bench_target(name: str, batches: list[int], context: int, device: str, dtype
                 side.allocator.free(r.target_blocks)
             rows.append({"model": name, "graphs": static, "batch": batch, "context": context, "plain_ms": plain,
                          "plain_tok_s": batch / plain * 1e3, "floor_ms": floor_ms, "pct_of_floor": floor_ms / plain,
-                         "verify_ms": verify, "verify_over_plain": verify / plain})
+                         "verify_ms": verify, "verify_over_plain": verify / plain, "dispatch": variant})
+        side = None  # its graphs and KV cache go before the next variant captures
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    set_dispatch(saved)
     del model
     return rows
 
@@ -189,6 +215,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, few iterations (smoke test)")
+    ap.add_argument("--dispatch", nargs="+", metavar="SPEC",
+                    help="target rows with CUDA graphs only, once per kernels/dispatch.py setting, e.g. "
+                         "'PDL=0,L2_PREFETCH_MB=0' 'PDL=1,L2_PREFETCH_MB=32' (alternating, --repeat rounds)")
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--no-draft", action="store_true", help="skip the draft block rows")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile the plain batch-1 step per kernel and print the N costliest")
     ap.add_argument("--json")
@@ -201,17 +232,19 @@ def main(argv: list[str] | None = None) -> dict:
               "torch": torch.__version__, "copy_GBps": gbps, "target": [], "draft": []}
     print(f"copy bandwidth {gbps:.0f} GB/s", flush=True)
     for name in args.models:
-        rows = bench_target(name, args.batch, args.context, args.device, dtype, args.iters, gbps)
+        rows = bench_target(name, args.batch, args.context, args.device, dtype, args.iters, gbps, args.dispatch,
+                            args.repeat)
         result["target"] += rows
         verify = {r["batch"]: r["verify_ms"] for r in rows if r["graphs"]}
-        result["draft"] += bench_draft(name, args.batch, args.context, args.device, dtype, args.iters, args.topk,
-                                       verify)
+        if not args.no_draft:
+            result["draft"] += bench_draft(name, args.batch, args.context, args.device, dtype, args.iters,
+                                           args.topk, verify)
     print(f"{'model':>5} {'graphs':>6} {'batch':>5} {'plain ms':>9} {'tok/s':>9} {'floor ms':>9} {'%floor':>7} "
           f"{'verify ms':>10} {'v/p':>5}")
     for r in result["target"]:
         print(f"{r['model']:>5} {str(r['graphs']):>6} {r['batch']:>5} {r['plain_ms']:>9.3f} {r['plain_tok_s']:>9.1f} "
               f"{r['floor_ms']:>9.3f} {100 * r['pct_of_floor']:>6.1f}% {r['verify_ms']:>10.3f} "
-              f"{r['verify_over_plain']:>5.2f}")
+              f"{r['verify_over_plain']:>5.2f}  {r['dispatch'] or ''}")
     print(f"{'model':>5} {'fmt':>5} {'topk':>4} {'graphs':>6} {'batch':>5} {'draft ms':>9} {'draft/verify':>12}")
     for r in result["draft"]:
         ratio = f"{r['draft_over_verify']:.3f}" if r["draft_over_verify"] is not None else "-"

@@ -15,6 +15,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from . import pdl
+from .pdl import pdl_prologue
+
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -40,7 +43,8 @@ def _rsqrt(x, LIBDEVICE: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, N, stride_x, stride_r, inv_n, eps,
                      HAS_RES: tl.constexpr, X_BF16: tl.constexpr, OUT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, BLOCK)
     mask = n < N
@@ -60,9 +64,10 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr
                            stride_st, stride_cs, inv_d, eps,
                            H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HAS_NORM: tl.constexpr,
                            X_BF16: tl.constexpr, NORM_BF16: tl.constexpr, OUT_BF16: tl.constexpr,
-                           LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr):
+                           LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     """Programs (t, h): h < H a q head, h < H + KV a k head, else (STORE only) a v head copied to the cache. With
     STORE, k and v go to cache slot slot_ptr[t] (none when it is negative) instead of ko_ptr."""
+    pdl_prologue(PDL)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     ok = t >= 0
     if h < H:                                                          # a q head
@@ -107,7 +112,9 @@ def _qk_norm_rotary_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, BF16: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, stride_gu, BF16: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_prologue(PDL)
     t, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i = pid * BLOCK + tl.arange(0, BLOCK)
     mask = i < I
@@ -151,10 +158,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     if t:
         block = triton.next_power_of_2(n)
         res = residual if residual is not None else x
+        on, opts = pdl.launch(x)
         _rms_norm_kernel[(t,)](x, res, weight.contiguous(), out, res_out if res_out is not None else out, n,
                                x.stride(0), res.stride(0), 1.0 / n, eps, HAS_RES=residual is not None,
                                X_BF16=x.dtype == torch.bfloat16, OUT_BF16=out_dtype == torch.bfloat16,
-                               LIBDEVICE=x.is_cuda, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+                               LIBDEVICE=x.is_cuda, BLOCK=block, PDL=on, num_warps=_warps(block),
+                               enable_fp_fusion=False, **opts)
     return out if residual is None else (out, res_out)
 
 
@@ -213,13 +222,14 @@ def qk_norm_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_weight: Ten
     if t:
         block = triton.next_power_of_2(d // 2)
         qw, kw = (q_weight, k_weight) if has_norm else (cos, cos)            # unused placeholders without the norm
+        on, opts = pdl.launch(q)
         _qk_norm_rotary_kernel[(t, grid_heads)](
             q, k, v, cos, sin, qw, kw, q_out, k_out if k_out is not None else q_out, k_cache, v_cache, slots,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             sin.stride(0), k_cache.stride(1) if store else 0, 1.0 / d, eps, H=h, KV=kv, D=d, HAS_NORM=has_norm,
             X_BF16=q.dtype == torch.bfloat16, NORM_BF16=norm_dtype == torch.bfloat16,
-            OUT_BF16=out_dtype == torch.bfloat16, LIBDEVICE=q.is_cuda, BLOCK=block, STORE=store,
-            num_warps=1 if block <= 64 else 2, enable_fp_fusion=False)
+            OUT_BF16=out_dtype == torch.bfloat16, LIBDEVICE=q.is_cuda, BLOCK=block, STORE=store, PDL=on,
+            num_warps=1 if block <= 64 else 2, enable_fp_fusion=False, **opts)
     return q_out, k_out
 
 
@@ -232,8 +242,9 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     out = torch.empty(t, inter, dtype=gate_up.dtype, device=gate_up.device)
     if t and inter:
         block = min(1024, triton.next_power_of_2(inter))
+        on, opts = pdl.launch(gate_up)
         _silu_mul_kernel[(t, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0),
                                                           BF16=gate_up.dtype == torch.bfloat16,
-                                                          LIBDEVICE=gate_up.is_cuda, BLOCK=block,
-                                                          num_warps=_warps(block), enable_fp_fusion=False)
+                                                          LIBDEVICE=gate_up.is_cuda, BLOCK=block, PDL=on,
+                                                          num_warps=_warps(block), enable_fp_fusion=False, **opts)
     return out

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import dispatch
+from . import dispatch, pdl
+from .pdl import pdl_prologue
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ def default_dense_gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
+                 DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
     kk = tl.arange(0, BLOCK_K)                                                 # [BK]
@@ -104,11 +106,12 @@ def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, config: DenseGemvConf
     out = torch.empty(m, n, device=x.device, dtype=w.dtype)
     if m == 0 or n == 0:
         return out
+    on, opts = pdl.launch(x)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=max(16, triton.next_power_of_2(m)), USE_DOT=m > 1,
         DOT_F32=not x.is_cuda or w.dtype == torch.float32, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
     return out
 
 

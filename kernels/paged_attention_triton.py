@@ -19,7 +19,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import pdl
 from .attention import AttentionMetadata
+from .pdl import pdl_prologue
 
 MAX_QUERY_LEN = 16
 _LOG2E = 1.4426950408889634
@@ -57,7 +59,8 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_pt
                             stride_os, stride_ot, stride_oh, stride_ls, stride_lt, max_seq_len, qk_scale,
                             G: tl.constexpr, MAXQ: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_TILES: tl.constexpr,
-                            SPLIT: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr):
+                            SPLIT: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     b, pid1, sid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h, mt = pid1 // M_TILES, pid1 % M_TILES
     q_start = tl.load(cu_ptr + b)
@@ -129,8 +132,10 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_pt
 
 @triton.jit
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_pt, stride_ls, stride_lt, stride_ot,
-                    H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr):
+                    H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
+                    PDL: tl.constexpr):
     """part [S, T, H, D] fp32 normalised per split, lse [S, T, H] (log2) -> out [T, H, D]; one program per (t, h)."""
+    pdl_prologue(PDL)
     t, hd = tl.program_id(0), tl.program_id(1)
     sp = tl.arange(0, SPLIT_PAD)
     lse = tl.load(lse_ptr + sp * stride_ls + t * stride_lt + hd, mask=sp < SPLIT, other=float("-inf"))   # [S]
@@ -191,6 +196,7 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: At
         dst, lse, lse_strides = out, out, (0, 0)                              # lse unused
     bt = meta.block_table
     grid = (num_reqs, num_kv * m_tiles, split)
+    on, opts = pdl.launch(q)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, bt, dst, lse,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
@@ -198,9 +204,9 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: At
         meta.max_seq_len, float(scale) * _LOG2E,
         G=group, MAXQ=meta.max_query_len, BS=block_size, D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         M_TILES=m_tiles, SPLIT=split, CAUSAL=bool(meta.causal), DOT_F32=not q.is_cuda or q.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
     if split > 1:
         _combine_kernel[(num_tokens, num_heads)](part, lse, out, part.stride(0), part.stride(1), lse.stride(0),
                                                  lse.stride(1), out.stride(0), H=num_heads, D=head_dim, SPLIT=split,
-                                                 SPLIT_PAD=triton.next_power_of_2(split))
+                                                 SPLIT_PAD=triton.next_power_of_2(split), PDL=on, **opts)
     return out

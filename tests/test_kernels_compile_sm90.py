@@ -67,8 +67,8 @@ def test_paged_attention_compiles(monkeypatch, splits, causal, d, group, q_len):
 @pytest.mark.parametrize("residual", [False, True])
 def test_rms_norm_and_silu_compile(monkeypatch, residual):
     x, res, w = torch.randn(3, 896).bfloat16(), torch.randn(3, 896).bfloat16(), torch.ones(896).bfloat16()
-    assert compile_launches(monkeypatch, fused_ops, ("_rms_norm_kernel",),
-                            lambda: fused_ops.rms_norm(x, w, 1e-6, res if residual else None)) == {"_rms_norm_kernel": 1}
+    call = lambda: fused_ops.rms_norm(x, w, 1e-6, res if residual else None)  # noqa: E731
+    assert compile_launches(monkeypatch, fused_ops, ("_rms_norm_kernel",), call) == {"_rms_norm_kernel": 1}
     gate_up = torch.randn(3, 2 * 4864).bfloat16()
     assert compile_launches(monkeypatch, fused_ops, ("_silu_mul_kernel",),
                             lambda: fused_ops.silu_mul(gate_up)) == {"_silu_mul_kernel": 1}
@@ -133,3 +133,50 @@ def test_dense_gemv_compiles(monkeypatch, m, bias):
     x = torch.randn(m, 512).bfloat16()
     assert compile_launches(monkeypatch, g, ("_gemv_kernel",), lambda: g.gemv(x, w, b),
                             {"DOT_F32": False}) == {"_gemv_kernel": 1}
+
+
+def _first(ptx: str, *ops: str) -> int:
+    found = [i for op in ops if (i := ptx.find(op)) >= 0]
+    return min(found) if found else len(ptx)
+
+
+def test_decode_kernels_wait_first_with_pdl(monkeypatch):
+    """With programmatic dependent launch (kernels/pdl.py, on for sm_90 CUDA tensors) every kernel of the decode
+    layer waits for its predecessor (griddepcontrol.wait) before its first global load or store, then lets its
+    successor launch; without it neither instruction is there."""
+    from dspark_serve.kernels import gemv_bf16 as g
+    x, res, w = torch.randn(1, 512).bfloat16(), torch.randn(1, 512).bfloat16(), torch.ones(512).bfloat16()
+    q, k = torch.randn(1, 8, 64).bfloat16(), torch.randn(1, 2, 64).bfloat16()
+    cos = torch.randn(1, 1, 64).bfloat16()
+    cache = (k, torch.zeros(4, 16, 2, 64).bfloat16(), torch.zeros(4, 16, 2, 64).bfloat16(), torch.tensor([3]))
+    meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 1]), seq_lens=torch.tensor([40]),
+                             slot_mapping=torch.zeros(1, dtype=torch.int64), block_table=torch.arange(4).view(1, 4),
+                             max_query_len=1, max_seq_len=40, causal=True, all_slots_valid=True)
+    launches = []
+    for module, names, call in (
+            (fused_ops, ("_rms_norm_kernel",), lambda: fused_ops.rms_norm(x, w, 1e-6, res)),
+            (fused_ops, ("_qk_norm_rotary_kernel",), lambda: fused_ops.qk_norm_rotary(q, k, cos, cos, w[:64],
+                                                                                      w[:64], 1e-6, cache)),
+            (pat, ("_paged_attention_kernel", "_combine_kernel"),
+             lambda: pat.paged_attention_triton(q, *cache[1:3], meta, 0.125, pat.AttentionConfig(16, 16, 2))),
+            (fused_ops, ("_silu_mul_kernel",), lambda: fused_ops.silu_mul(torch.cat((x, x), 1))),
+            (g, ("_gemv_kernel",), lambda: g.gemv(x, torch.randn(96, 512).bfloat16()))):
+        launches += sass_loop.record_launches(module, names, call)
+    assert len(launches) == 6
+    for fn, args, kw in launches:
+        for on in (True, False):
+            ptx = sass_loop.compile_sm90(fn, args, kw, {"LIBDEVICE": True, "DOT_F32": False, "PDL": on}).asm["ptx"]
+            wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+            if not on:
+                assert wait == trigger == -1, fn.__name__
+                continue
+            assert 0 <= wait < trigger < _first(ptx, "ld.global", "st.global", "cp.async", "atom."), fn.__name__
+
+
+def test_l2_prefetch_kernel_is_a_bulk_prefetch():
+    """kernels/l2_prefetch.py: one TMA bulk prefetch into L2 per thread, no loads or stores."""
+    from dspark_serve.kernels import l2_prefetch as lp
+    kernel = sass_loop.compile_sm90(lp._prefetch_kernel, (2 ** 40, 2 ** 25, 2048),
+                                    dict(CHUNK=lp.CHUNK, LANES=lp.LANES, num_warps=1))
+    sass = kernel.asm["sass"]
+    assert "UBLKPF.L2" in sass and "LDG" not in sass and "STG" not in sass
