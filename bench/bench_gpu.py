@@ -11,6 +11,7 @@ The real-pair end-to-end numbers are bench/bench_pair.py; two GPUs through the a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from dataclasses import replace
@@ -89,7 +90,7 @@ def requests(batch: int, context: int, n_draft: int) -> list[Request]:
 
 
 def parse_dispatch(spec: str) -> dict[str, float]:
-    """"PDL=1,L2_PREFETCH_MB=32" -> {"PDL": 1.0, "L2_PREFETCH_MB": 32.0}: kernels/dispatch.py switches."""
+    """"PDL=1,DENSE_GEMV=0" -> {"PDL": 1.0, "DENSE_GEMV": 0.0}: kernels/dispatch.py switches."""
     out = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
@@ -132,8 +133,10 @@ def bench_target(name: str, batches: list[int], context: int, device: str, dtype
             rows.append({"model": name, "graphs": static, "batch": batch, "context": context, "plain_ms": plain,
                          "plain_tok_s": batch / plain * 1e3, "floor_ms": floor_ms, "pct_of_floor": floor_ms / plain,
                          "verify_ms": verify, "verify_over_plain": verify / plain, "dispatch": variant})
-        side = None  # its graphs and KV cache go before the next variant captures
+        side = None  # its graphs go now: a garbage collection during the next capture would invalidate it
+        gc.collect()
         if device.startswith("cuda"):
+            torch.cuda.synchronize()
             torch.cuda.empty_cache()
     set_dispatch(saved)
     del model
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, few iterations (smoke test)")
     ap.add_argument("--dispatch", nargs="+", metavar="SPEC",
                     help="target rows with CUDA graphs only, once per kernels/dispatch.py setting, e.g. "
-                         "'PDL=0,L2_PREFETCH_MB=0' 'PDL=1,L2_PREFETCH_MB=32' (alternating, --repeat rounds)")
+                         "'PDL=0' 'PDL=1' (alternating, --repeat rounds)")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--no-draft", action="store_true", help="skip the draft block rows")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",

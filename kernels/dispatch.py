@@ -23,12 +23,12 @@ GEMV_PRMT = os.environ.get("DSPARK_GEMV_PRMT", "1") == "1"
 # The target's batch-1 decode row runs the Triton dense GEMV of gemv_bf16.py instead of cuBLAS (8B plain step on an
 # H200: 4.52 instead of 4.82 ms, bench/RESULTS.md); DSPARK_DENSE_GEMV=0 turns it off
 DENSE_GEMV = os.environ.get("DSPARK_DENSE_GEMV", "1") == "1"
-# The decode step's Triton kernels launch with programmatic dependent launch on sm_90+ (kernels/pdl.py);
-# DSPARK_PDL=0 turns it off
+# That GEMV computes SwiGLU in the gate/up projection's epilogue (no silu_mul launch); DSPARK_GEMV_SWIGLU=0 turns
+# it off
+GEMV_SWIGLU = os.environ.get("DSPARK_GEMV_SWIGLU", "1") == "1"
+# The decode step's Triton kernels launch with programmatic dependent launch on sm_90+ (kernels/pdl.py; 8B plain
+# step on an H200: 4.31 instead of 4.50 ms, bench/RESULTS.md); DSPARK_PDL=0 turns it off
 PDL = os.environ.get("DSPARK_PDL", "1") == "1"
-# Decode and verify steps prefetch the next projection's weights into L2 on a side stream while the small kernels
-# between two projections run (kernels/l2_prefetch.py); DSPARK_L2_PREFETCH_MB caps the bytes per gap, 0 turns it off
-L2_PREFETCH_MB = float(os.environ.get("DSPARK_L2_PREFETCH_MB", "32"))
 
 
 def use_triton(t: Tensor) -> bool:

@@ -5,7 +5,10 @@ At batch 1 cuBLAS picks 64-row tiles without split-K for the 8B's qkv projection
 SMs) and split-K plus a reduce kernel for o and down (bench/RESULTS.md, P1). Here every program owns BLOCK_N rows
 and walks all of K, so N / BLOCK_N programs fill the SMs without split-K and nothing follows the kernel.
 
-* M == 1: CUDA cores. acc [BN, BK] += w * x over K tiles, one reduction at the end.
+* M == 1: CUDA cores. acc [BN, BK] += w * x over K tiles, one reduction at the end. With SWIGLU, w is the fused
+  [gate; up] weight [2I, K] and a program owns BN/2 gate rows and their BN/2 up rows; the epilogue writes
+  silu(gate) * up [1, I] with fused_ops.silu_mul's roundings, so the MLP needs no silu_mul launch and the bytes
+  equal the unfused pair's (`linear_silu_mul`).
 * 1 < M <= 16: tensor cores with swapped operands, out^T [BN, BM] += w [BN, BK] @ x^T [BK, BM] (x padded by masking).
 
 The reference is `gemv_ref` (F.linear on the same operands). A CPU tensor needs TRITON_INTERPRET=1; there the
@@ -20,7 +23,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from triton.language.extra import libdevice
+
 from . import dispatch, pdl
+from .fused_ops import _round, silu_mul
 from .pdl import pdl_prologue
 
 
@@ -46,7 +52,8 @@ def default_dense_gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
-                 DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                 DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                 SWIGLU: tl.constexpr, OUT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
@@ -70,6 +77,30 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
             acc += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + ms[None, :] * stride_om + rows[:, None], acc.to(out_ptr.dtype.element_ty),
                  mask=(rows[:, None] < N) & (ms[None, :] < M))
+    elif SWIGLU:                                                               # N = 2I; programs own I / BN2 cols
+        BN2: tl.constexpr = BLOCK_N // 2
+        cols = pid * BN2 + tl.arange(0, BN2)                                   # [BN2] gate rows; + I: up rows
+        inter = N // 2
+        acc_g = tl.zeros((BN2, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BN2, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                wmask, xmask = cols[:, None] < inter, kk >= 0
+            else:
+                wmask, xmask = (cols[:, None] < inter) & (k0 + kk[None, :] < K), k0 + kk < K
+            wg = tl.load(w_ptr + cols[:, None] * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)  # [BN2, BK]
+            wu = tl.load(w_ptr + (cols[:, None] + inter) * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)
+            xv = tl.load(x_ptr + k0 + kk, mask=xmask, other=0.0).to(tl.float32)                        # [BK]
+            acc_g += wg.to(tl.float32) * xv[None, :]
+            acc_u += wu.to(tl.float32) * xv[None, :]
+        g = tl.sum(acc_g, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)  # the gate_up output's rounding
+        u = tl.sum(acc_u, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)
+        if LIBDEVICE:
+            e = libdevice.exp(-g)
+        else:
+            e = tl.exp(-g)
+        sg = _round(tl.math.div_rn(g, 1.0 + e), OUT_BF16)                     # as fused_ops._silu_mul_kernel
+        tl.store(out_ptr + cols, _round(sg * u, OUT_BF16).to(out_ptr.dtype.element_ty), mask=cols < inter)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -86,8 +117,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
-def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, config: DenseGemvConfig | None = None) -> Tensor:
-    """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in w's dtype; M <= 16."""
+def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, config: DenseGemvConfig | None = None,
+         swiglu: bool = False) -> Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in w's dtype; M <= 16. swiglu (M = 1, no bias): w is
+    [gate; up] [2I, K] and the result silu_mul(x @ w^T) [1, I]."""
     if w.dim() != 2 or w.stride(1) != 1:
         raise ValueError(f"w must be [N, K] with unit column stride, got {tuple(w.shape)}")
     n, k = w.shape
@@ -98,20 +131,26 @@ def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, config: DenseGemvConf
         raise ValueError(f"gemv handles M <= 16, got M = {m}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if swiglu and (m != 1 or bias is not None or n % 2 or w.dtype not in (torch.bfloat16, torch.float32)):
+        raise ValueError(f"swiglu needs one row, no bias, an even N and bf16/fp32 w, got M = {m}, N = {n}, "
+                         f"{w.dtype}{', a bias' if bias is not None else ''}")
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_dense_gemv_config(m, n, k)
-    if cfg.block_k & (cfg.block_k - 1) or cfg.block_k < 16 or (m > 1 and cfg.block_n < 16):
-        raise ValueError(f"bad DenseGemvConfig {cfg}: block_k a power of 2 >= 16, block_n >= 16 for M > 1")
-    out = torch.empty(m, n, device=x.device, dtype=w.dtype)
+    if cfg.block_k & (cfg.block_k - 1) or cfg.block_k < 16 or (m > 1 and cfg.block_n < 16) \
+            or (swiglu and (cfg.block_n < 2 or cfg.block_n & (cfg.block_n - 1))):
+        raise ValueError(f"bad DenseGemvConfig {cfg}: block_k a power of 2 >= 16, block_n >= 16 for M > 1, "
+                         "a power of 2 >= 2 for swiglu")
+    out = torch.empty(m, n // 2 if swiglu else n, device=x.device, dtype=w.dtype)
     if m == 0 or n == 0:
         return out
     on, opts = pdl.launch(x)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _gemv_kernel[(triton.cdiv(n // 2 if swiglu else n, cfg.block_n // 2 if swiglu else cfg.block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=max(16, triton.next_power_of_2(m)), USE_DOT=m > 1,
         DOT_F32=not x.is_cuda or w.dtype == torch.float32, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
+        PDL=on, SWIGLU=swiglu, OUT_BF16=w.dtype == torch.bfloat16, LIBDEVICE=x.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
     return out
 
 
@@ -128,3 +167,13 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
             and w.stride(1) == 1):
         return gemv(x, w, bias)
     return F.linear(x, w, bias)
+
+
+def linear_silu_mul(x: Tensor, w_gate_up: Tensor) -> Tensor:
+    """silu_mul(F.linear(x, w_gate_up)) for the fused MLP: x [T, K], w_gate_up [2I, K] -> [T, I]. One row of bf16
+    CUDA activations takes the GEMV with the SwiGLU epilogue (one launch, same values) when dispatch.DENSE_GEMV
+    and dispatch.GEMV_SWIGLU are on."""
+    if (dispatch.DENSE_GEMV and dispatch.GEMV_SWIGLU and x.is_cuda and x.shape[0] == 1
+            and x.dtype == w_gate_up.dtype == torch.bfloat16 and w_gate_up.stride(1) == 1):
+        return gemv(x, w_gate_up, swiglu=True)
+    return silu_mul(linear(x, w_gate_up))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -63,23 +61,15 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def forward_fused(self, x: Tensor, fetch: Callable[[Tensor], None] | None = None) -> Tensor:
-        """forward() with one gate/up GEMM (after fuse()) and the Triton silu*mul; fetch(down weight), when given,
-        runs right after the gate/up GEMM is queued (an L2 prefetch, kernels/l2_prefetch.py)."""
+    def forward_fused(self, x: Tensor) -> Tensor:
+        """forward() with one gate/up GEMM (after fuse()) and the Triton silu*mul (one row: in the GEMV's epilogue)."""
         from dspark_serve.kernels.fused_ops import silu_mul
-        from dspark_serve.kernels.gemv_bf16 import linear
+        from dspark_serve.kernels.gemv_bf16 import linear, linear_silu_mul
 
-        gate_up = linear(x, self._gate_up) if self._gate_up is not None else \
-            torch.cat((self.gate_proj(x), self.up_proj(x)), -1)  # [T, 2I]
+        h = linear_silu_mul(x, self._gate_up) if self._gate_up is not None else \
+            silu_mul(torch.cat((self.gate_proj(x), self.up_proj(x)), -1))  # [T, I]
         down = self.down_proj
-        if fetch is not None and type(down) is nn.Linear:
-            fetch(down.weight)
-        h = silu_mul(gate_up)
         return linear(h, down.weight, down.bias) if type(down) is nn.Linear else down(h)
-
-    def first_weight(self) -> Tensor | None:
-        """The weight forward_fused streams first (for a prefetch), when it is a plain tensor."""
-        return self._gate_up if self._gate_up is not None else None
 
     def fuse(self) -> None:
         """One [2I, hidden] weight for gate and up; their parameters become views into it (inference only)."""
@@ -121,18 +111,15 @@ class AttentionProjections(nn.Module):
             self._qkv = (_concat_as_views([p.weight for p in projs]), bias)
 
     def qkv_fused(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                  slot_mapping: Tensor, fetch: Callable[[Tensor], None] | None = None) -> Tensor:
+                  slot_mapping: Tensor) -> Tensor:
         """query() and key_value() with one GEMM (after fuse()) and one Triton launch for the q/k norms, RoPE and
-        the k/v write into the cache slots (attention.store_kv) -> q [T, H, D]. fetch(o_proj weight), when given,
-        runs right after the GEMM is queued (an L2 prefetch, kernels/l2_prefetch.py)."""
+        the k/v write into the cache slots (attention.store_kv) -> q [T, H, D]."""
         from dspark_serve.kernels.fused_ops import qk_norm_rotary
         from dspark_serve.kernels.gemv_bf16 import linear
 
         t, d = x.shape[0], self.head_dim
         qkv = linear(x, *self._qkv) if self._qkv is not None else \
             torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)  # [T, (H + 2 KV) * D]
-        if fetch is not None and type(self.o_proj) is nn.Linear:
-            fetch(self.o_proj.weight)
         q = qkv[:, :self.num_heads * d].view(t, self.num_heads, d)
         k = qkv[:, self.num_heads * d:(self.num_heads + self.num_kv_heads) * d].view(t, self.num_kv_heads, d)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * d:].view(t, self.num_kv_heads, d)
@@ -140,10 +127,6 @@ class AttentionProjections(nn.Module):
         kw = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         return qk_norm_rotary(q, k, cos, sin, qw, kw, eps, (v, k_cache, v_cache, slot_mapping))[0]
-
-    def first_weight(self) -> Tensor | None:
-        """The fused qkv weight (for a prefetch), when fuse() made one."""
-        return self._qkv[0] if self._qkv is not None else None
 
     def output(self, o: Tensor) -> Tensor:
         """o_proj of the attention output [T, H * D], through the dense GEMV path of the fused layers."""

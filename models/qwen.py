@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor, nn
 
@@ -42,24 +40,19 @@ class DecoderLayer(nn.Module):
         self.mlp.fuse()
 
     def forward_fused(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor,
-                      meta: AttentionMetadata, fetch: Callable[[Tensor], None] | None = None
-                      ) -> tuple[Tensor, Tensor]:
+                      meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """forward() on the Triton kernels, residual adds fused into the norms: x is the previous layer's MLP output
-        not yet added to `residual` (None before the first layer) -> (this layer's MLP output, its residual).
-        fetch(w), when given, is called after each projection is queued with the weight of the next one."""
+        not yet added to `residual` (None before the first layer) -> (this layer's MLP output, its residual)."""
         from dspark_serve.kernels.fused_ops import rms_norm
 
         attn, ln = self.self_attn, self.input_layernorm
         h, residual = (rms_norm(x, ln.weight, ln.eps), x) if residual is None else \
             rms_norm(x, ln.weight, ln.eps, residual)
-        q = attn.qkv_fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping, fetch)  # k, v go to the cache
+        q = attn.qkv_fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)  # k, v go to the cache
         o = attention(q, kv_cache[0], kv_cache[1], meta, attn.scale)  # [T, H, D]
-        o = attn.output(o.reshape(x.shape[0], -1))
-        if fetch is not None and (w := self.mlp.first_weight()) is not None:
-            fetch(w)
         ln = self.post_attention_layernorm
-        h, residual = rms_norm(o, ln.weight, ln.eps, residual)
-        return self.mlp.forward_fused(h, fetch), residual
+        h, residual = rms_norm(attn.output(o.reshape(x.shape[0], -1)), ln.weight, ln.eps, residual)
+        return self.mlp.forward_fused(h), residual
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
@@ -82,19 +75,12 @@ def run_layers(layers: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, kv_ca
                 want[i] = x
         return final_norm(x)
     from dspark_serve.kernels.fused_ops import rms_norm
-    from dspark_serve.kernels.l2_prefetch import prefetcher_for
 
-    pf = prefetcher_for(x)  # decode / verify rows: the next projection's weights into L2 between projections
-    fetch = pf.fetch if pf is not None else None
     residual = None
     for i, layer in enumerate(layers):
-        x, residual = layer.forward_fused(x, residual, cos, sin, kv_cache[i], meta, fetch)
-        if fetch is not None and i + 1 < len(layers) and (w := layers[i + 1].self_attn.first_weight()) is not None:
-            fetch(w)
+        x, residual = layer.forward_fused(x, residual, cos, sin, kv_cache[i], meta)
         if i in want:
             want[i] = x + residual
-    if pf is not None:
-        pf.join()
     w, eps = final_norm.weight, final_norm.eps
     return rms_norm(x, w, eps) if residual is None else rms_norm(x, w, eps, residual)[0]
 

@@ -17,8 +17,8 @@
 #   gemv      random weights only: NVFP4 GPU tests, the M <= 64 GEMV sweep (prmt decode included), bench_step
 #             with DSPARK_GEMV_PRMT=0 and 1, bench_gpu at the 8B shapes (P1-P3)
 #   dense     random weights only: the target's dense GEMV (tests, sweep vs cuBLAS), bench_gpu without / with it
-#   pdl       random weights only: PDL and the L2 weight prefetch (GPU tests; bench_gpu's 8B target rows with each
-#             off and on, alternating), then bench_gpu with the defaults (P1-P3)
+#   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
+#             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -138,14 +138,14 @@ dense)  # random weights: the dense GEMV's GPU tests, its sweep against cuBLAS, 
 pdl)  # random weights: PDL and the L2 prefetch, tests then the 8B step with each switch, then the defaults
     python3 -c "import triton, torch; from dspark_serve.kernels import pdl; print('triton', triton.__version__, \
 'torch', torch.__version__, 'gdc', pdl.HAVE_GDC)" | tee "$OUT/versions.txt"
-    timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_pdl_prefetch_gpu.py tests/gpu/test_cuda_graphs_gpu.py \
+    timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_pdl_gpu.py tests/gpu/test_cuda_graphs_gpu.py \
         tests/gpu/test_engine_gpu.py tests/gpu/test_dense_gemv_gpu.py tests/gpu/test_fused_ops_gpu.py \
         tests/gpu/test_paged_attention_gpu.py > "$OUT/pdl_tests.log" 2>&1
     tail -3 "$OUT/pdl_tests.log"
-    timeout 200 python3 bench/bench_gpu.py --models 8b --batch 1 8 --iters 10 --no-draft --repeat 2 --dispatch \
-        PDL=0,L2_PREFETCH_MB=0 PDL=1,L2_PREFETCH_MB=0 PDL=0,L2_PREFETCH_MB=32 PDL=1,L2_PREFETCH_MB=32 \
-        PDL=1,L2_PREFETCH_MB=16 PDL=1,L2_PREFETCH_MB=48 --json "$OUT/bench_gpu_pdl.json" 2>&1 \
-        | grep -v Warn | tee "$OUT/bench_gpu_pdl.log" | grep -A30 "^model graphs"
+    timeout 200 python3 bench/bench_gpu.py --models 8b --batch 1 8 --iters 20 --no-draft --repeat 2 --dispatch \
+        PDL=0,GEMV_SWIGLU=0 PDL=1,GEMV_SWIGLU=0 PDL=1,GEMV_SWIGLU=1 --kernels 14 --json "$OUT/bench_gpu_pdl.json" \
+        2>&1 | grep -v Warn | tee "$OUT/bench_gpu_pdl.log" | grep -A30 "^model graphs"
+    python3 -c "import json; [print(r) for r in json.load(open('$OUT/bench_gpu_pdl.json'))['kernels']['8b']]"
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
         2>&1 | tee "$OUT/bench_gpu.log" | tail -10 ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;

@@ -40,6 +40,21 @@ else:
         x, w, b = _operands(m, 70, 200, torch.bfloat16, seed=3)                      # N and K tails
         _close(gemv(x, w, b, config=cfg), gemv_ref(x, w, b), x, w)
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("n,k,cfg", [(2 * 40, 160, None), (2 * 21, 200, DenseGemvConfig(8, 64)),
+                                         (2 * 16, 512, DenseGemvConfig(2, 128, num_warps=2))])
+    def test_swiglu_epilogue_equals_silu_mul_of_the_gemv(n, k, cfg, dtype):
+        """One launch, the same bits as silu_mul after the unfused GEMV (N and K tails included); within rounding
+        of the float64 silu(x @ gate^T) * (x @ up^T)."""
+        from dspark_serve.kernels.fused_ops import silu_mul
+        x, w, _ = _operands(1, n, k, dtype, seed=n + k)
+        got = gemv(x, w, config=cfg, swiglu=True)
+        assert got.shape == (1, n // 2) and got.dtype == dtype
+        assert torch.equal(got, silu_mul(gemv(x, w, config=cfg)))
+        gu = x.double() @ w.double().T
+        ref = torch.nn.functional.silu(gu[:, :n // 2]) * gu[:, n // 2:]
+        assert ((got.double() - ref).abs() <= 2 ** -6 * ref.abs() + 1e-3 * ref.abs().max()).all()
+
     def test_gemv_rejects_bad_input():
         x, w, b = _operands(2, 16, 64, torch.bfloat16)
         with pytest.raises(ValueError, match="M <= 16"):
@@ -51,6 +66,14 @@ else:
         with pytest.raises(ValueError, match="bad DenseGemvConfig"):
             gemv(x, w, config=DenseGemvConfig(8, 64))
         assert gemv(x[:0], w).shape == (0, 16)
+        with pytest.raises(ValueError, match="swiglu needs one row"):
+            gemv(x, w, swiglu=True)
+        with pytest.raises(ValueError, match="swiglu needs one row.*a bias"):
+            gemv(x[:1], w, b, swiglu=True)
+        with pytest.raises(ValueError, match="swiglu needs one row.*N = 15"):
+            gemv(x[:1], w[:15], swiglu=True)
+        with pytest.raises(ValueError, match="a power of 2 >= 2 for swiglu"):
+            gemv(x[:1], w, config=DenseGemvConfig(12, 64), swiglu=True)
 
     def test_default_configs_are_the_sweep_winners():
         """The H200 sweep's best M = 1 config at each 8B projection (bench/RESULTS.md)."""

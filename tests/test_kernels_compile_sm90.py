@@ -160,9 +160,10 @@ def test_decode_kernels_wait_first_with_pdl(monkeypatch):
             (pat, ("_paged_attention_kernel", "_combine_kernel"),
              lambda: pat.paged_attention_triton(q, *cache[1:3], meta, 0.125, pat.AttentionConfig(16, 16, 2))),
             (fused_ops, ("_silu_mul_kernel",), lambda: fused_ops.silu_mul(torch.cat((x, x), 1))),
-            (g, ("_gemv_kernel",), lambda: g.gemv(x, torch.randn(96, 512).bfloat16()))):
+            (g, ("_gemv_kernel",), lambda: g.gemv(x, torch.randn(96, 512).bfloat16())),
+            (g, ("_gemv_kernel",), lambda: g.gemv(x, torch.randn(96, 512).bfloat16(), swiglu=True))):
         launches += sass_loop.record_launches(module, names, call)
-    assert len(launches) == 6
+    assert len(launches) == 7
     for fn, args, kw in launches:
         for on in (True, False):
             ptx = sass_loop.compile_sm90(fn, args, kw, {"LIBDEVICE": True, "DOT_F32": False, "PDL": on}).asm["ptx"]
@@ -172,11 +173,3 @@ def test_decode_kernels_wait_first_with_pdl(monkeypatch):
                 continue
             assert 0 <= wait < trigger < _first(ptx, "ld.global", "st.global", "cp.async", "atom."), fn.__name__
 
-
-def test_l2_prefetch_kernel_is_a_bulk_prefetch():
-    """kernels/l2_prefetch.py: one TMA bulk prefetch into L2 per thread, no loads or stores."""
-    from dspark_serve.kernels import l2_prefetch as lp
-    kernel = sass_loop.compile_sm90(lp._prefetch_kernel, (2 ** 40, 2 ** 25, 2048),
-                                    dict(CHUNK=lp.CHUNK, LANES=lp.LANES, num_warps=1))
-    sass = kernel.asm["sass"]
-    assert "UBLKPF.L2" in sass and "LDG" not in sass and "STG" not in sass

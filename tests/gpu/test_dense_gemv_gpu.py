@@ -61,3 +61,12 @@ def test_fused_mlp_and_o_proj_take_it(monkeypatch):
     assert calls == [(1, 512), (1, 1536), (1, 512)]                     # gate/up, down (after silu_mul), o
     assert _rel(mlp.forward_fused(x[:1]), mlp_off[:1].double()) <= 1e-2
     assert torch.equal(mlp_on, mlp_off) and torch.equal(o_on, o_off)
+
+
+@pytest.mark.parametrize("i,k", [(12288, 4096), (4864, 896)])
+def test_swiglu_epilogue_is_silu_mul_of_the_gemv(i, k):
+    """The gate/up GEMV with the SwiGLU epilogue gives silu_mul's bits at the 8B and 0.5B MLP shapes."""
+    from dspark_serve.kernels.fused_ops import silu_mul
+    w = (torch.randn(2 * i, k, device=DEV) * 0.05).bfloat16()
+    x = torch.randn(1, k, device=DEV).bfloat16()
+    assert torch.equal(gemv(x, w, swiglu=True), silu_mul(gemv(x, w)))
