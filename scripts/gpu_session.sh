@@ -135,7 +135,7 @@ dense)  # random weights: the dense GEMV's GPU tests, its sweep against cuBLAS, 
             --json "$OUT/bench_gpu_dense$d.json" 2>&1 | grep -A4 "^model graphs"
     done
     tail -3 "$OUT/dense_tests.log" ;;
-pdl)  # random weights: PDL and the L2 prefetch, tests then the 8B step with each switch, then the defaults
+pdl)  # random weights: PDL and the GEMV fusions, tests then the 8B step with each switch, then the defaults
     python3 -c "import triton, torch; from dspark_serve.kernels import pdl; print('triton', triton.__version__, \
 'torch', torch.__version__, 'gdc', pdl.HAVE_GDC)" | tee "$OUT/versions.txt"
     timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_pdl_gpu.py tests/gpu/test_cuda_graphs_gpu.py \
@@ -143,9 +143,9 @@ pdl)  # random weights: PDL and the L2 prefetch, tests then the 8B step with eac
         tests/gpu/test_paged_attention_gpu.py > "$OUT/pdl_tests.log" 2>&1
     tail -3 "$OUT/pdl_tests.log"
     timeout 200 python3 bench/bench_gpu.py --models 8b --batch 1 8 --iters 20 --no-draft --repeat 2 --dispatch \
-        PDL=0,GEMV_SWIGLU=0 PDL=1,GEMV_SWIGLU=0 PDL=1,GEMV_SWIGLU=1 --kernels 14 --json "$OUT/bench_gpu_pdl.json" \
+        PDL=0,GEMV_SWIGLU=0,NORM_GEMV=0 PDL=1,GEMV_SWIGLU=1,NORM_GEMV=0 PDL=1,GEMV_SWIGLU=1,NORM_GEMV=1 \
+        --json "$OUT/bench_gpu_pdl.json" \
         2>&1 | grep -v Warn | tee "$OUT/bench_gpu_pdl.log" | grep -A30 "^model graphs"
-    python3 -c "import json; [print(r) for r in json.load(open('$OUT/bench_gpu_pdl.json'))['kernels']['8b']]"
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
         2>&1 | tee "$OUT/bench_gpu.log" | tail -10 ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;

@@ -161,9 +161,11 @@ def test_decode_kernels_wait_first_with_pdl(monkeypatch):
              lambda: pat.paged_attention_triton(q, *cache[1:3], meta, 0.125, pat.AttentionConfig(16, 16, 2))),
             (fused_ops, ("_silu_mul_kernel",), lambda: fused_ops.silu_mul(torch.cat((x, x), 1))),
             (g, ("_gemv_kernel",), lambda: g.gemv(x, torch.randn(96, 512).bfloat16())),
-            (g, ("_gemv_kernel",), lambda: g.gemv(x, torch.randn(96, 512).bfloat16(), swiglu=True))):
+            (g, ("_gemv_kernel",), lambda: g.gemv(x, torch.randn(96, 512).bfloat16(), swiglu=True)),
+            (g, ("_gemv_kernel",), lambda: g.rms_norm_gemv(x, w, 1e-6, res, torch.randn(96, 512).bfloat16(),
+                                                           swiglu=True))):
         launches += sass_loop.record_launches(module, names, call)
-    assert len(launches) == 7
+    assert len(launches) == 8
     for fn, args, kw in launches:
         for on in (True, False):
             ptx = sass_loop.compile_sm90(fn, args, kw, {"LIBDEVICE": True, "DOT_F32": False, "PDL": on}).asm["ptx"]
