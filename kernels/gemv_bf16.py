@@ -27,7 +27,7 @@ from triton.language.extra import libdevice
 
 from . import dispatch, pdl
 from .fused_ops import _round, _rsqrt, rms_norm, silu_mul
-from .pdl import pdl_prologue
+from .pdl import pdl_trigger, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,15 @@ def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, WRITE_RES, HAS_RES: tl
 
 
 @triton.jit
+def _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+               X_BF16: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr):
+    rstd = 1.0
+    if NORM:                                                                   # one row: every program re-reads it
+        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid == 0, HAS_RES, X_BF16, LIBDEVICE, BLOCK_K)
+    return rstd
+
+
+@triton.jit
 def _x_tile(x_ptr, res_ptr, nw_ptr, k0, kk, xmask, rstd, NORM: tl.constexpr, HAS_RES: tl.constexpr,
             X_BF16: tl.constexpr, XN_BF16: tl.constexpr):
     """x[k0 + kk] in fp32 for the one-row paths; with NORM, RMSNorm(x + res) * nw with rms_norm's roundings."""
@@ -85,14 +94,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, 
                  DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                  SWIGLU: tl.constexpr, OUT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr, NORM: tl.constexpr,
                  HAS_RES: tl.constexpr, X_BF16: tl.constexpr, XN_BF16: tl.constexpr):
-    pdl_prologue(PDL)
+    pdl_trigger(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
     kk = tl.arange(0, BLOCK_K)                                                 # [BK]
-    rstd = 1.0
-    if NORM:                                                                   # one row: every program re-reads it
-        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid == 0, HAS_RES, X_BF16, LIBDEVICE, BLOCK_K)
     if USE_DOT:
+        pdl_wait(PDL)
         ms = tl.arange(0, BLOCK_M)                                             # [BM]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -115,9 +122,15 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, 
         BN2: tl.constexpr = BLOCK_N // 2
         cols = pid * BN2 + tl.arange(0, BN2)                                   # [BN2] gate rows; + I: up rows
         inter = N // 2
-        acc_g = tl.zeros((BN2, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BN2, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        wmask = (cols[:, None] < inter) & (kk[None, :] < K)                    # the first tile, before the wait
+        wg = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0)        # [BN2, BK]
+        wu = tl.load(w_ptr + (cols[:, None] + inter) * stride_wn + kk[None, :], mask=wmask, other=0.0)
+        pdl_wait(PDL)
+        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid, NORM, HAS_RES, X_BF16, LIBDEVICE, BLOCK_K)
+        xv = _x_tile(x_ptr, res_ptr, nw_ptr, 0, kk, kk < K, rstd, NORM, HAS_RES, X_BF16, XN_BF16)
+        acc_g = wg.to(tl.float32) * xv[None, :]
+        acc_u = wu.to(tl.float32) * xv[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 wmask, xmask = cols[:, None] < inter, kk >= 0
             else:
@@ -136,8 +149,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, 
         sg = _round(tl.math.div_rn(g, 1.0 + e), OUT_BF16)                     # as fused_ops._silu_mul_kernel
         tl.store(out_ptr + cols, _round(sg * u, OUT_BF16).to(out_ptr.dtype.element_ty), mask=cols < inter)
     else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        wmask = (rows[:, None] < N) & (kk[None, :] < K)                        # the first tile, before the wait
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0)           # [BN, BK]
+        pdl_wait(PDL)
+        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid, NORM, HAS_RES, X_BF16, LIBDEVICE, BLOCK_K)
+        xv = _x_tile(x_ptr, res_ptr, nw_ptr, 0, kk, kk < K, rstd, NORM, HAS_RES, X_BF16, XN_BF16)
+        acc = w.to(tl.float32) * xv[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 wmask, xmask = rows[:, None] < N, kk >= 0
             else:

@@ -5,7 +5,9 @@ costs the drain of one grid plus the launch and ramp of the next. Launched with 
 resident while its predecessor still runs: every program first waits (`griddepcontrol.wait`: the predecessor has
 finished and its writes are visible), then lets its own successor launch. Since every PDL kernel waits before it
 touches memory, and a kernel finishes only after its wait returned, the order of all reads and writes is that of
-the stream, transitively; only launch latency overlaps.
+the stream, transitively; only launch latency overlaps. A GEMV may also load its first weight tile before it
+waits (`pdl_trigger`, then the weight loads, then `pdl_wait`): weights are constants no kernel writes, so HBM starts
+streaming them while the predecessor drains.
 
 `launch(t)` -> (the PDL constexpr, the launch options) for a kernel whose inputs live on t's device: on for CUDA
 tensors of compute capability >= 9.0 when Triton has the griddepcontrol builtins and dispatch.PDL is set; off on
@@ -42,6 +44,21 @@ def pdl_prologue(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_trigger(PDL: tl.constexpr):
+    """The successor may launch (a kernel that loads constants before `pdl_wait` calls this first)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Before the first load of anything an earlier kernel wrote and before the first store: only loads of
+    constants (weights) may come before it."""
+    if PDL:
+        gdc_wait()
 
 
 @lru_cache(maxsize=None)
