@@ -122,9 +122,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, 
         BN2: tl.constexpr = BLOCK_N // 2
         cols = pid * BN2 + tl.arange(0, BN2)                                   # [BN2] gate rows; + I: up rows
         inter = N // 2
-        wmask = (cols[:, None] < inter) & (kk[None, :] < K)                    # the first tile, before the wait
-        wg = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0)        # [BN2, BK]
-        wu = tl.load(w_ptr + (cols[:, None] + inter) * stride_wn + kk[None, :], mask=wmask, other=0.0)
+        m0 = (cols[:, None] < inter) & (kk[None, :] < K)                       # the first tile, before the wait
+        wg = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=m0, other=0.0)           # [BN2, BK]
+        wu = tl.load(w_ptr + (cols[:, None] + inter) * stride_wn + kk[None, :], mask=m0, other=0.0)
         pdl_wait(PDL)
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid, NORM, HAS_RES, X_BF16, LIBDEVICE, BLOCK_K)
         xv = _x_tile(x_ptr, res_ptr, nw_ptr, 0, kk, kk < K, rstd, NORM, HAS_RES, X_BF16, XN_BF16)
@@ -149,8 +149,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, 
         sg = _round(tl.math.div_rn(g, 1.0 + e), OUT_BF16)                     # as fused_ops._silu_mul_kernel
         tl.store(out_ptr + cols, _round(sg * u, OUT_BF16).to(out_ptr.dtype.element_ty), mask=cols < inter)
     else:
-        wmask = (rows[:, None] < N) & (kk[None, :] < K)                        # the first tile, before the wait
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + kk[None, :], mask=wmask, other=0.0)           # [BN, BK]
+        m0 = (rows[:, None] < N) & (kk[None, :] < K)                           # the first tile, before the wait
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + kk[None, :], mask=m0, other=0.0)              # [BN, BK]
         pdl_wait(PDL)
         rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid, NORM, HAS_RES, X_BF16, LIBDEVICE, BLOCK_K)
         xv = _x_tile(x_ptr, res_ptr, nw_ptr, 0, kk, kk < K, rstd, NORM, HAS_RES, X_BF16, XN_BF16)
