@@ -23,12 +23,10 @@ GEMV_PRMT = os.environ.get("DSPARK_GEMV_PRMT", "1") == "1"
 # The target's batch-1 decode row runs the Triton dense GEMV of gemv_bf16.py instead of cuBLAS (8B plain step on an
 # H200: 4.52 instead of 4.82 ms, bench/RESULTS.md); DSPARK_DENSE_GEMV=0 turns it off
 DENSE_GEMV = os.environ.get("DSPARK_DENSE_GEMV", "1") == "1"
+DENSE_GEMV_ROWS = int(os.environ.get("DSPARK_DENSE_GEMV_ROWS", "1"))  # up to this many rows (<= 16) take it
 # That GEMV computes SwiGLU in the gate/up projection's epilogue (no silu_mul launch); DSPARK_GEMV_SWIGLU=0 turns
 # it off
 GEMV_SWIGLU = os.environ.get("DSPARK_GEMV_SWIGLU", "1") == "1"
-# and the RMSNorm (+ residual add) before qkv and gate/up in its prologue (no rms_norm launch); DSPARK_NORM_GEMV=0
-# turns it off
-NORM_GEMV = os.environ.get("DSPARK_NORM_GEMV", "1") == "1"
 # The decode step's Triton kernels launch with programmatic dependent launch on sm_90+ (kernels/pdl.py; 8B plain
 # step on an H200: 4.31 instead of 4.50 ms, bench/RESULTS.md); DSPARK_PDL=0 turns it off
 PDL = os.environ.get("DSPARK_PDL", "1") == "1"

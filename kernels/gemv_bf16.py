@@ -26,7 +26,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from . import dispatch, pdl
-from .fused_ops import _round, _rsqrt, rms_norm, silu_mul
+from .fused_ops import _round, silu_mul
 from .pdl import pdl_trigger, pdl_wait
 
 
@@ -50,59 +50,26 @@ def default_dense_gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
 
 
 @triton.jit
-def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, WRITE_RES, HAS_RES: tl.constexpr, X_BF16: tl.constexpr,
-              LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """RMSNorm's 1 / rms of the row x (+ res, rounded as fused_ops.rms_norm), which WRITE_RES stores to res_out."""
-    kk = tl.arange(0, BLOCK_K)
-    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask = k0 + kk < K
-        xv = tl.load(x_ptr + k0 + kk, mask=mask, other=0.0).to(tl.float32)                           # [BK]
-        if HAS_RES:
-            xv = _round(xv + tl.load(res_ptr + k0 + kk, mask=mask, other=0.0).to(tl.float32), X_BF16)
-            tl.store(res_out_ptr + k0 + kk, xv.to(res_out_ptr.dtype.element_ty), mask=mask & WRITE_RES)
-        ss += xv * xv
-    return _rsqrt(tl.sum(ss, axis=0) * inv_k + eps, LIBDEVICE)
-
-
-@triton.jit
-def _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-               X_BF16: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK_K: tl.constexpr):
-    rstd = 1.0
-    if NORM:                                                                   # one row: every program re-reads it
-        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid == 0, HAS_RES, X_BF16, LIBDEVICE, BLOCK_K)
-    return rstd
-
-
-@triton.jit
-def _x_tile(x_ptr, res_ptr, nw_ptr, k0, kk, xmask, rstd, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-            X_BF16: tl.constexpr, XN_BF16: tl.constexpr):
-    """x[k0 + kk] in fp32 for the one-row paths; with NORM, RMSNorm(x + res) * nw with rms_norm's roundings."""
-    xv = tl.load(x_ptr + k0 + kk, mask=xmask, other=0.0).to(tl.float32)                               # [BK]
-    if NORM:
-        if HAS_RES:
-            xv = _round(xv + tl.load(res_ptr + k0 + kk, mask=xmask, other=0.0).to(tl.float32), X_BF16)
-        nw = tl.load(nw_ptr + k0 + kk, mask=xmask, other=0.0).to(tl.float32)
-        xv = _round(nw * _round(xv * rstd, X_BF16), XN_BF16)
-    return xv
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm, stride_wn,
-                 stride_om, inv_k, eps,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
                  DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-                 SWIGLU: tl.constexpr, OUT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr, NORM: tl.constexpr,
-                 HAS_RES: tl.constexpr, X_BF16: tl.constexpr, XN_BF16: tl.constexpr):
+                 SWIGLU: tl.constexpr, OUT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr):
     pdl_trigger(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
     kk = tl.arange(0, BLOCK_K)                                                 # [BK]
     if USE_DOT:
-        pdl_wait(PDL)
         ms = tl.arange(0, BLOCK_M)                                             # [BM]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        m0 = (rows[:, None] < N) & (kk[None, :] < K)                           # the first tile, before the wait
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + kk[None, :], mask=m0, other=0.0)              # [BN, BK]
+        pdl_wait(PDL)
+        xt = tl.load(x_ptr + ms[None, :] * stride_xm + kk[:, None], mask=(ms[None, :] < M) & (kk[:, None] < K),
+                     other=0.0)                                                # [BK, BM]
+        if DOT_F32:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32))
+        else:
+            acc = tl.dot(w, xt.to(w.dtype))
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
                 wmask, xmask = rows[:, None] < N, ms[None, :] < M
             else:
@@ -126,8 +93,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, 
         wg = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=m0, other=0.0)           # [BN2, BK]
         wu = tl.load(w_ptr + (cols[:, None] + inter) * stride_wn + kk[None, :], mask=m0, other=0.0)
         pdl_wait(PDL)
-        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid, NORM, HAS_RES, X_BF16, LIBDEVICE, BLOCK_K)
-        xv = _x_tile(x_ptr, res_ptr, nw_ptr, 0, kk, kk < K, rstd, NORM, HAS_RES, X_BF16, XN_BF16)
+        xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)                                # [BK]
         acc_g = wg.to(tl.float32) * xv[None, :]
         acc_u = wu.to(tl.float32) * xv[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -137,7 +103,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, 
                 wmask, xmask = (cols[:, None] < inter) & (k0 + kk[None, :] < K), k0 + kk < K
             wg = tl.load(w_ptr + cols[:, None] * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)  # [BN2, BK]
             wu = tl.load(w_ptr + (cols[:, None] + inter) * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)
-            xv = _x_tile(x_ptr, res_ptr, nw_ptr, k0, kk, xmask, rstd, NORM, HAS_RES, X_BF16, XN_BF16)  # [BK]
+            xv = tl.load(x_ptr + k0 + kk, mask=xmask, other=0.0).to(tl.float32)                        # [BK]
             acc_g += wg.to(tl.float32) * xv[None, :]
             acc_u += wu.to(tl.float32) * xv[None, :]
         g = tl.sum(acc_g, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)  # the gate_up output's rounding
@@ -152,8 +118,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, 
         m0 = (rows[:, None] < N) & (kk[None, :] < K)                           # the first tile, before the wait
         w = tl.load(w_ptr + rows[:, None] * stride_wn + kk[None, :], mask=m0, other=0.0)              # [BN, BK]
         pdl_wait(PDL)
-        rstd = _norm_rstd(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid, NORM, HAS_RES, X_BF16, LIBDEVICE, BLOCK_K)
-        xv = _x_tile(x_ptr, res_ptr, nw_ptr, 0, kk, kk < K, rstd, NORM, HAS_RES, X_BF16, XN_BF16)
+        xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)                                # [BK]
         acc = w.to(tl.float32) * xv[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
@@ -161,7 +126,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, M, 
             else:
                 wmask, xmask = (rows[:, None] < N) & (k0 + kk[None, :] < K), k0 + kk < K
             w = tl.load(w_ptr + rows[:, None] * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)   # [BN, BK]
-            xv = _x_tile(x_ptr, res_ptr, nw_ptr, k0, kk, xmask, rstd, NORM, HAS_RES, X_BF16, XN_BF16)  # [BK]
+            xv = tl.load(x_ptr + k0 + kk, mask=xmask, other=0.0).to(tl.float32)                        # [BK]
             acc += w.to(tl.float32) * xv[None, :]
         out = tl.sum(acc, axis=1)                                              # [BN]
         if HAS_BIAS:
@@ -185,8 +150,7 @@ def _check(x: Tensor, w: Tensor, bias: Tensor | None, swiglu: bool) -> None:
                          f"{w.dtype}{', a bias' if bias is not None else ''}")
 
 
-def _launch(x: Tensor, w: Tensor, bias: Tensor | None, cfg: DenseGemvConfig | None, swiglu: bool,
-            norm: tuple[Tensor, float, Tensor | None, Tensor | None] | None) -> Tensor:
+def _launch(x: Tensor, w: Tensor, bias: Tensor | None, cfg: DenseGemvConfig | None, swiglu: bool) -> Tensor:
     m, (n, k) = x.shape[0], w.shape
     cfg = cfg or default_dense_gemv_config(m, n, k)
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_k < 16 or (m > 1 and cfg.block_n < 16) \
@@ -196,16 +160,12 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, cfg: DenseGemvConfig | No
     out = torch.empty(m, n // 2 if swiglu else n, device=x.device, dtype=w.dtype)
     if m == 0 or n == 0:
         return out
-    nw, eps, res, res_out = norm if norm is not None else (w, 0.0, None, None)
     on, opts = pdl.launch(x)
     _gemv_kernel[(triton.cdiv(n // 2 if swiglu else n, cfg.block_n // 2 if swiglu else cfg.block_n),)](
-        x, w, bias if bias is not None else w, out, res if res is not None else x, nw,
-        res_out if res_out is not None else x, m, n, k, x.stride(0), w.stride(0), out.stride(0), 1.0 / k, eps,
+        x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=max(16, triton.next_power_of_2(m)), USE_DOT=m > 1,
         DOT_F32=not x.is_cuda or w.dtype == torch.float32, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        PDL=on, SWIGLU=swiglu, OUT_BF16=w.dtype == torch.bfloat16, LIBDEVICE=x.is_cuda, NORM=norm is not None,
-        HAS_RES=res is not None, X_BF16=x.dtype == torch.bfloat16,
-        XN_BF16=torch.promote_types(nw.dtype, x.dtype) == torch.bfloat16,
+        PDL=on, SWIGLU=swiglu, OUT_BF16=w.dtype == torch.bfloat16, LIBDEVICE=x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
     return out
 
@@ -215,27 +175,7 @@ def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, config: DenseGemvConf
     """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in w's dtype; M <= 16. swiglu (M = 1, no bias): w is
     [gate; up] [2I, K] and the result silu_mul(x @ w^T) [1, I]."""
     _check(x, w, bias, swiglu)
-    return _launch(x if x.stride(1) == 1 else x.contiguous(), w, bias, config, swiglu, None)
-
-
-def rms_norm_gemv(x: Tensor, norm_weight: Tensor, eps: float, residual: Tensor | None, w: Tensor,
-                  bias: Tensor | None = None, config: DenseGemvConfig | None = None, swiglu: bool = False
-                  ) -> tuple[Tensor, Tensor]:
-    """gemv(fused_ops.rms_norm(x, norm_weight, eps, residual)) in one launch for one row x [1, K] -> (out, the
-    new residual: x + residual, or x itself without one). Every program computes the row's rms itself (the row
-    is K values from L2); program 0 writes the new residual. The rms sums in another order than rms_norm's, so
-    the normed row may differ from it by one bf16 ulp where a value lies next to a rounding boundary."""
-    _check(x, w, bias, swiglu)
-    k = w.shape[1]
-    if x.shape[0] != 1 or x.stride(1) != 1 or x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"rms_norm_gemv needs one bf16/fp32 row with unit stride, got {x.dtype} {tuple(x.shape)}")
-    if norm_weight.shape != (k,) or norm_weight.stride(0) != 1:
-        raise ValueError(f"norm_weight must be a contiguous [{k}] tensor, got {tuple(norm_weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"residual must be a unit-stride {x.dtype} {tuple(x.shape)} tensor")
-    res_out = torch.empty_like(x) if residual is not None else None
-    out = _launch(x, w, bias, config, swiglu, (norm_weight, eps, residual, res_out))
-    return out, res_out if res_out is not None else x
+    return _launch(x if x.stride(1) == 1 else x.contiguous(), w, bias, config, swiglu)
 
 
 def gemv_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -244,11 +184,11 @@ def gemv_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear for the target's fused decoder layers: one row of bf16 CUDA activations (plain decode at batch 1)
-    takes `gemv` when dispatch.DENSE_GEMV is on. On the H200 cuBLAS was faster at 8 rows on three of the 8B's four
-    projections (bench/RESULTS.md), so more rows keep it."""
-    if (dispatch.DENSE_GEMV and x.is_cuda and x.shape[0] == 1 and x.dtype == w.dtype == torch.bfloat16
-            and w.stride(1) == 1):
+    """F.linear for the target's fused decoder layers: up to dispatch.DENSE_GEMV_ROWS rows (default 1: plain
+    decode at batch 1) of bf16 CUDA activations take `gemv` when dispatch.DENSE_GEMV is on. On the H200 cuBLAS was
+    faster at 8 rows on three of the 8B's four projections (bench/RESULTS.md), so more rows keep it."""
+    if (dispatch.DENSE_GEMV and x.is_cuda and x.shape[0] <= min(dispatch.DENSE_GEMV_ROWS, 16)
+            and x.dtype == w.dtype == torch.bfloat16 and w.stride(1) == 1):
         return gemv(x, w, bias)
     return F.linear(x, w, bias)
 
@@ -262,16 +202,3 @@ def linear_silu_mul(x: Tensor, w_gate_up: Tensor) -> Tensor:
         return gemv(x, w_gate_up, swiglu=True)
     return silu_mul(linear(x, w_gate_up))
 
-
-def norm_linear(x: Tensor, norm_weight: Tensor, eps: float, residual: Tensor | None, w: Tensor,
-                bias: Tensor | None = None, swiglu: bool = False) -> tuple[Tensor, Tensor]:
-    """(linear_silu_mul if swiglu else linear)(rms_norm(x, norm_weight, eps, residual)) -> (that, the new residual
-    x + residual, or x without one). One row of bf16 CUDA activations takes `rms_norm_gemv` (one launch instead of
-    two) when dispatch.NORM_GEMV is on as well as the switches of linear / linear_silu_mul."""
-    if (dispatch.NORM_GEMV and dispatch.DENSE_GEMV and (dispatch.GEMV_SWIGLU or not swiglu) and x.is_cuda
-            and x.shape[0] == 1 and x.dtype == w.dtype == norm_weight.dtype == torch.bfloat16 and w.stride(1) == 1
-            and x.stride(1) == 1):
-        return rms_norm_gemv(x, norm_weight, eps, residual, w, bias, swiglu=swiglu)
-    h, residual = rms_norm(x, norm_weight, eps, residual) if residual is not None else \
-        (rms_norm(x, norm_weight, eps), x)
-    return (linear_silu_mul(h, w) if swiglu else linear(h, w, bias)), residual

@@ -9,14 +9,6 @@ from torch import Tensor, nn
 from .config import ModelConfig
 
 
-def add_rms_norm(x: Tensor, norm: RMSNorm, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The Triton rms_norm of x + residual -> (normed, x + residual); without a residual (normed, x)."""
-    from dspark_serve.kernels.fused_ops import rms_norm
-
-    return rms_norm(x, norm.weight, norm.eps, residual) if residual is not None else \
-        (rms_norm(x, norm.weight, norm.eps), x)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -79,20 +71,6 @@ class MLP(nn.Module):
         down = self.down_proj
         return linear(h, down.weight, down.bias) if type(down) is nn.Linear else down(h)
 
-    def norm_forward_fused(self, x: Tensor, norm: RMSNorm, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """forward_fused(norm(x + residual)) -> (that, x + residual); at one row the norm runs in the gate/up
-        GEMV's prologue and SwiGLU in its epilogue."""
-        from dspark_serve.kernels.fused_ops import silu_mul
-        from dspark_serve.kernels.gemv_bf16 import linear, norm_linear
-
-        if self._gate_up is not None:
-            h, residual = norm_linear(x, norm.weight, norm.eps, residual, self._gate_up, swiglu=True)  # [T, I]
-        else:
-            hn, residual = add_rms_norm(x, norm, residual)
-            h = silu_mul(torch.cat((self.gate_proj(hn), self.up_proj(hn)), -1))
-        down = self.down_proj
-        return (linear(h, down.weight, down.bias) if type(down) is nn.Linear else down(h)), residual
-
     def fuse(self) -> None:
         """One [2I, hidden] weight for gate and up; their parameters become views into it (inference only)."""
         if self._gate_up is None and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
@@ -133,26 +111,22 @@ class AttentionProjections(nn.Module):
             self._qkv = (_concat_as_views([p.weight for p in projs]), bias)
 
     def qkv_fused(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                  slot_mapping: Tensor, norm: RMSNorm, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        """norm(x + residual), then query() and key_value() with one GEMM (after fuse(); at one row the norm runs
-        in its prologue) and one Triton launch for the q/k norms, RoPE and the k/v write into the cache slots
-        (attention.store_kv) -> (q [T, H, D], x + residual)."""
+                  slot_mapping: Tensor) -> Tensor:
+        """query() and key_value() with one GEMM (after fuse()) and one Triton launch for the q/k norms, RoPE and
+        the k/v write into the cache slots (attention.store_kv) -> q [T, H, D]."""
         from dspark_serve.kernels.fused_ops import qk_norm_rotary
-        from dspark_serve.kernels.gemv_bf16 import norm_linear
+        from dspark_serve.kernels.gemv_bf16 import linear
 
         t, d = x.shape[0], self.head_dim
-        if self._qkv is not None:
-            qkv, residual = norm_linear(x, norm.weight, norm.eps, residual, *self._qkv)  # [T, (H + 2 KV) * D]
-        else:
-            h, residual = add_rms_norm(x, norm, residual)
-            qkv = torch.cat((self.q_proj(h), self.k_proj(h), self.v_proj(h)), -1)
+        qkv = linear(x, *self._qkv) if self._qkv is not None else \
+            torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)  # [T, (H + 2 KV) * D]
         q = qkv[:, :self.num_heads * d].view(t, self.num_heads, d)
         k = qkv[:, self.num_heads * d:(self.num_heads + self.num_kv_heads) * d].view(t, self.num_kv_heads, d)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * d:].view(t, self.num_kv_heads, d)
         qw = self.q_norm.weight if self.q_norm is not None else None
         kw = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        return qk_norm_rotary(q, k, cos, sin, qw, kw, eps, (v, k_cache, v_cache, slot_mapping))[0], residual
+        return qk_norm_rotary(q, k, cos, sin, qw, kw, eps, (v, k_cache, v_cache, slot_mapping))[0]
 
     def output(self, o: Tensor) -> Tensor:
         """o_proj of the attention output [T, H * D], through the dense GEMV path of the fused layers."""

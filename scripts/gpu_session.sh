@@ -143,7 +143,7 @@ pdl)  # random weights: PDL and the GEMV fusions, tests then the 8B step with ea
         tests/gpu/test_paged_attention_gpu.py > "$OUT/pdl_tests.log" 2>&1
     tail -3 "$OUT/pdl_tests.log"
     timeout 200 python3 bench/bench_gpu.py --models 8b --batch 1 8 --iters 20 --no-draft --repeat 2 --dispatch \
-        PDL=0,GEMV_SWIGLU=0,NORM_GEMV=0 PDL=1,GEMV_SWIGLU=1,NORM_GEMV=0 PDL=1,GEMV_SWIGLU=1,NORM_GEMV=1 \
+        PDL=0,GEMV_SWIGLU=0 PDL=1,GEMV_SWIGLU=1 PDL=1,GEMV_SWIGLU=1,DENSE_GEMV_ROWS=16 \
         --json "$OUT/bench_gpu_pdl.json" \
         2>&1 | grep -v Warn | tee "$OUT/bench_gpu_pdl.log" | grep -A30 "^model graphs"
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \

@@ -55,56 +55,6 @@ else:
         ref = torch.nn.functional.silu(gu[:, :n // 2]) * gu[:, n // 2:]
         assert ((got.double() - ref).abs() <= 2 ** -6 * ref.abs() + 1e-3 * ref.abs().max()).all()
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize("residual", [False, True])
-    @pytest.mark.parametrize("swiglu", [False, True])
-    @pytest.mark.parametrize("k,cfg", [(160, None), (200, DenseGemvConfig(8, 64))])
-    def test_rms_norm_in_the_prologue(dtype, residual, swiglu, k, cfg):
-        """rms_norm_gemv = gemv(rms_norm(x, w_norm, eps, residual)): the new residual is rms_norm's bit for bit;
-        the output is the unfused pair's up to the normed row's last-ulp differences (another summation order
-        for the rms)."""
-        from dspark_serve.kernels.fused_ops import rms_norm
-        from dspark_serve.kernels.gemv_bf16 import rms_norm_gemv
-        x, w, _ = _operands(1, 2 * 21, k, dtype, seed=k + swiglu)
-        g = torch.Generator().manual_seed(9)
-        res = torch.randn(1, k, generator=g).to(dtype) if residual else None
-        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
-        out, new_res = rms_norm_gemv(x, nw, 1e-6, res, w, config=cfg, swiglu=swiglu)
-        h, want_res = rms_norm(x, nw, 1e-6, res) if residual else (rms_norm(x, nw, 1e-6), x)
-        assert torch.equal(new_res, want_res) and (new_res is x) == (not residual)
-        want = gemv(h, w, config=cfg, swiglu=swiglu)
-        assert out.shape == want.shape and out.dtype == dtype
-        ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -20
-        bound = 4 * ulp * (h.double().abs() @ w.double().abs().T)             # one ulp off in h -> dot products
-        if swiglu:                                                             # d(silu(g) u), |silu'| <= 1.1
-            gu = h.double() @ w.double().T
-            (g, u), (bg, bu) = gu.split(21, 1), bound.split(21, 1)
-            bound = 1.1 * bg * u.abs() + torch.nn.functional.silu(g).abs() * bu + 1.1 * bg * bu
-        assert ((out.double() - want.double()).abs() <= 4 * ulp * want.double().abs() + bound + 1e-6).all()
-
-    def test_rms_norm_gemv_rejects_bad_input():
-        from dspark_serve.kernels.gemv_bf16 import rms_norm_gemv
-        x, w, _ = _operands(2, 16, 64, torch.bfloat16)
-        nw = torch.ones(64).bfloat16()
-        with pytest.raises(ValueError, match="needs one bf16/fp32 row"):
-            rms_norm_gemv(x, nw, 1e-6, None, w)
-        with pytest.raises(ValueError, match=r"norm_weight must be a contiguous \[64\]"):
-            rms_norm_gemv(x[:1], nw[:32], 1e-6, None, w)
-        with pytest.raises(ValueError, match="residual must be"):
-            rms_norm_gemv(x[:1], nw, 1e-6, x[:1].float(), w)
-
-    def test_norm_linear_falls_back_off_cuda():
-        """CPU rows take rms_norm then F.linear / silu_mul: the same values the modules compute."""
-        from dspark_serve.kernels.fused_ops import rms_norm, silu_mul
-        from dspark_serve.kernels.gemv_bf16 import norm_linear
-        x, w, b = _operands(3, 32, 64, torch.float32)
-        res, nw = torch.randn(3, 64), torch.rand(64) + 0.5
-        out, new_res = norm_linear(x, nw, 1e-6, res, w, b)
-        h, want_res = rms_norm(x, nw, 1e-6, res)
-        assert torch.equal(new_res, want_res) and torch.allclose(out, torch.nn.functional.linear(h, w, b))
-        out, new_res = norm_linear(x, nw, 1e-6, None, w, swiglu=True)
-        assert new_res is x and torch.allclose(out, silu_mul(torch.nn.functional.linear(rms_norm(x, nw, 1e-6), w)))
-
     def test_gemv_rejects_bad_input():
         x, w, b = _operands(2, 16, 64, torch.bfloat16)
         with pytest.raises(ValueError, match="M <= 16"):
