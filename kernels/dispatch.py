@@ -27,9 +27,6 @@ DENSE_GEMV_ROWS = int(os.environ.get("DSPARK_DENSE_GEMV_ROWS", "1"))  # up to th
 # That GEMV computes SwiGLU in the gate/up projection's epilogue (no silu_mul launch); DSPARK_GEMV_SWIGLU=0 turns
 # it off
 GEMV_SWIGLU = os.environ.get("DSPARK_GEMV_SWIGLU", "1") == "1"
-# Split-key paged attention combines its splits in the last program of each head to finish, not in a second
-# kernel (kernels/paged_attention_triton.py); DSPARK_ATTN_FUSED_COMBINE=0 turns it off
-ATTN_FUSED_COMBINE = os.environ.get("DSPARK_ATTN_FUSED_COMBINE", "1") == "1"
 # The decode step's Triton kernels launch with programmatic dependent launch on sm_90+ (kernels/pdl.py; 8B plain
 # step on an H200: 4.31 instead of 4.50 ms, bench/RESULTS.md); DSPARK_PDL=0 turns it off
 PDL = os.environ.get("DSPARK_PDL", "1") == "1"

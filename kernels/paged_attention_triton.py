@@ -8,12 +8,8 @@ with fp32 online softmax (exp2) and tl.dot for QK^T and PV. Key 0 is always visi
 rows, and the capture-time padding with seq_len < query_len, stay finite).
 
 Long contexts with too few programs split each request's keys into SPLIT even chunks; partial outputs and their
-log-sum-exps go to fp32 scratch and are combined by the last program of each (request, kv head, row tile) to
-finish: it counts itself in an int32 counter (acq_rel, gpu scope, after a CTA barrier over its stores), and the one
-that sees SPLIT - 1 combines and resets the counter to 0, so the counters stay zero between launches
-(`dispatch.ATTN_FUSED_COMBINE`; off, a second small kernel combines). Attention launches on one device share the
-counters and must not overlap in time (they run on one stream). No host syncs, every size comes from tensor
-shapes and meta's Python ints: CUDA-graph capturable.
+log-sum-exps go to fp32 scratch and a second small kernel combines them. No host syncs, every size comes from
+tensor shapes and meta's Python ints: CUDA-graph capturable.
 """
 
 from dataclasses import dataclass
@@ -23,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import dispatch, pdl
+from . import pdl
 from .attention import AttentionMetadata
 from .pdl import pdl_prologue
 
@@ -58,14 +54,12 @@ def default_attention_config(num_reqs: int, num_kv_heads: int, group: int, head_
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_ptr, lse_ptr, fin_ptr, cnt_ptr,
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_ptr, lse_ptr,
                             stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, W,
-                            stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_ft, stride_fh,
-                            max_seq_len, qk_scale,
+                            stride_os, stride_ot, stride_oh, stride_ls, stride_lt, max_seq_len, qk_scale,
                             G: tl.constexpr, MAXQ: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_TILES: tl.constexpr,
-                            SPLIT: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
-                            FUSED_COMBINE: tl.constexpr, SPLIT_PAD: tl.constexpr):
+                            SPLIT: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     b, pid1, sid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h, mt = pid1 // M_TILES, pid1 % M_TILES
@@ -134,37 +128,6 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_pt
     if SPLIT > 1:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + sid * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
-        if FUSED_COMBINE:
-            tl.debug_barrier()                                                 # every thread's partial is stored
-            cnt = cnt_ptr + b * tl.num_programs(1) + pid1
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:  # the last split to finish
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-                _combine_rows(out_ptr, lse_ptr, fin_ptr, tok, head, row_ok, stride_os, stride_ot, stride_oh,
-                              stride_ls, stride_lt, stride_ft, stride_fh, D, SPLIT, SPLIT_PAD)
-
-
-@triton.jit
-def _combine_rows(part_ptr, lse_ptr, out_ptr, tok, head, row_ok, stride_ps, stride_pt, stride_ph, stride_ls,
-                  stride_lt, stride_ot, stride_oh, D: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr):
-    """Rows (tok, head) [BM] of part [S, T, H, D] fp32 normalised per split, lse [S, T, H] (log2) -> out; reads
-    other programs' stores, so through L2 (.cg)."""
-    sp = tl.arange(0, SPLIT_PAD)[:, None]
-    lse = tl.load(lse_ptr + sp * stride_ls + tok[None, :] * stride_lt + head[None, :],
-                  mask=(sp < SPLIT) & row_ok[None, :], other=float("-inf"), cache_modifier=".cg")   # [S, BM]
-    top = tl.max(lse, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)                             # rows outside the request
-    d = tl.arange(0, D)[None, :]
-    acc = tl.zeros((tok.shape[0], D), tl.float32)
-    for s in tl.static_range(SPLIT):
-        w = tl.exp2(tl.load(lse_ptr + s * stride_ls + tok * stride_lt + head, mask=row_ok, other=float("-inf"),
-                            cache_modifier=".cg") - top)                       # [BM]; empty splits weigh 0
-        part = tl.load(part_ptr + s * stride_ps + tok[:, None] * stride_pt + head[:, None] * stride_ph + d,
-                       mask=row_ok[:, None], other=0.0, cache_modifier=".cg")  # [BM, D]
-        acc += w[:, None] * part
-    total = tl.sum(tl.exp2(lse - top[None, :]), axis=0)
-    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d, o.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
 
 
 @triton.jit
@@ -182,18 +145,6 @@ def _combine_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_pt, stride_ls,
                    other=0.0)                                                  # [S, D]
     o = tl.sum(w[:, None] * part, axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + t * stride_ot + hd * D + tl.arange(0, D), o.to(out_ptr.dtype.element_ty))
-
-
-_COUNTERS: dict[torch.device, Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> Tensor:
-    """The device's zeroed int32 split counters, at least n (kernels reset the ones they use). Grown outside CUDA
-    graph capture: the engine's eager warm-up runs every shape before it is captured."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        c = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return c
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata) -> None:
@@ -245,19 +196,16 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: At
         dst, lse, lse_strides = out, out, (0, 0)                              # lse unused
     bt = meta.block_table
     grid = (num_reqs, num_kv * m_tiles, split)
-    fused = split > 1 and dispatch.ATTN_FUSED_COMBINE
-    cnt = _counters(q.device, num_reqs * num_kv * m_tiles) if fused else out        # unused without the fusion
     on, opts = pdl.launch(q)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, bt, dst, lse, out, cnt,
+        q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, bt, dst, lse,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         bt.stride(0), bt.shape[1], dst.stride(0) if split > 1 else 0, dst.stride(-3), dst.stride(-2), *lse_strides,
-        out.stride(0), out.stride(1), meta.max_seq_len, float(scale) * _LOG2E,
+        meta.max_seq_len, float(scale) * _LOG2E,
         G=group, MAXQ=meta.max_query_len, BS=block_size, D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         M_TILES=m_tiles, SPLIT=split, CAUSAL=bool(meta.causal), DOT_F32=not q.is_cuda or q.dtype == torch.float32,
-        PDL=on, FUSED_COMBINE=fused, SPLIT_PAD=triton.next_power_of_2(split), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **opts)
-    if split > 1 and not fused:
+        PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
+    if split > 1:
         _combine_kernel[(num_tokens, num_heads)](part, lse, out, part.stride(0), part.stride(1), lse.stride(0),
                                                  lse.stride(1), out.stride(0), H=num_heads, D=head_dim, SPLIT=split,
                                                  SPLIT_PAD=triton.next_power_of_2(split), PDL=on, **opts)

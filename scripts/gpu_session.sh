@@ -17,7 +17,6 @@
 #   gemv      random weights only: NVFP4 GPU tests, the M <= 64 GEMV sweep (prmt decode included), bench_step
 #             with DSPARK_GEMV_PRMT=0 and 1, bench_gpu at the 8B shapes (P1-P3)
 #   dense     random weights only: the target's dense GEMV (tests, sweep vs cuBLAS), bench_gpu without / with it
-#   combine   random weights only: attention GPU tests, the 8B step with the split combine fused or not
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -149,12 +148,5 @@ pdl)  # random weights: PDL and the GEMV fusions, tests then the 8B step with ea
         2>&1 | grep -v Warn | tee "$OUT/bench_gpu_pdl.log" | grep -A30 "^model graphs"
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
         2>&1 | tee "$OUT/bench_gpu.log" | tail -10 ;;
-combine)  # random weights: the split attention's combine in its last program vs a second kernel (P1)
-    timeout 150 python3 -P -m pytest -q -rf tests/gpu/test_paged_attention_gpu.py tests/gpu/test_pdl_gpu.py \
-        tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py > "$OUT/combine_tests.log" 2>&1
-    tail -3 "$OUT/combine_tests.log"
-    timeout 150 python3 bench/bench_gpu.py --models 8b --batch 1 8 --iters 20 --no-draft --repeat 2 --dispatch \
-        ATTN_FUSED_COMBINE=0 ATTN_FUSED_COMBINE=1 --json "$OUT/bench_gpu_combine.json" 2>&1 | grep -v Warn \
-        | tee "$OUT/bench_gpu_combine.log" | grep -A8 "^model graphs" ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

@@ -47,13 +47,10 @@ def test_qk_norm_rotary_compiles(monkeypatch, store, norm, d):
                             lambda: fused_ops.qk_norm_rotary(q, k, cos, sin, *w, 1e-6, cache)) == {kernel: 1}
 
 
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d,group,q_len", [(64, 7, 8), (128, 4, 1)])
-def test_paged_attention_compiles(monkeypatch, splits, causal, d, group, q_len, fused):
-    from dspark_serve.kernels import dispatch
-    monkeypatch.setattr(dispatch, "ATTN_FUSED_COMBINE", fused)
+def test_paged_attention_compiles(monkeypatch, splits, causal, d, group, q_len):
     reqs, kv, bs = 2, 2, 16
     q = torch.randn(reqs * q_len, kv * group, d).bfloat16()
     k_cache = v_cache = torch.zeros(9, bs, kv, d).bfloat16()
@@ -64,7 +61,7 @@ def test_paged_attention_compiles(monkeypatch, splits, causal, d, group, q_len, 
     cfg = pat.AttentionConfig(block_m=64 if q_len * group > 16 else 16, block_n=32, num_splits=splits)
     calls = compile_launches(monkeypatch, pat, ("_paged_attention_kernel", "_combine_kernel"),
                              lambda: pat.paged_attention_triton(q, k_cache, v_cache, meta, d ** -0.5, cfg))
-    assert calls == {"_paged_attention_kernel": 1, "_combine_kernel": int(splits > 1 and not fused)}
+    assert calls == {"_paged_attention_kernel": 1, "_combine_kernel": int(splits > 1)}
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -172,7 +169,7 @@ def test_decode_kernels_wait_first_with_pdl(monkeypatch):
             (g, ("_gemv_kernel",), lambda: g.gemv(torch.randn(8, 2048).bfloat16(), torch.randn(96, 2048).bfloat16())),
             (g, ("_gemv_kernel",), lambda: g.gemv(x2, torch.randn(96, 2048).bfloat16(), swiglu=True))):
         launches += sass_loop.record_launches(module, names, call)
-    assert len(launches) == 9                                                # the attention combines its splits
+    assert len(launches) == 10
     for fn, args, kw in launches:
         for on in (True, False):
             ptx = sass_loop.compile_sm90(fn, args, kw, {"LIBDEVICE": True, "DOT_F32": False, "PDL": on}).asm["ptx"]

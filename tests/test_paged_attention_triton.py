@@ -64,23 +64,6 @@ else:
         # 260 keys over 33 shuffled blocks; short requests leave some splits empty
         _check(*_case([2, 5, 1], [2, 260, 9], 14, 2, 64, block_size=8, causal=causal), config=cfg)
 
-    @pytest.mark.parametrize("fused", [True, False])
-    def test_split_combine_in_the_kernel_or_apart(monkeypatch, fused):
-        """The last split program of each head combines (dispatch.ATTN_FUSED_COMBINE) or a second kernel does;
-        the fused path leaves its counters at zero, so repeated launches (graph replays) combine again."""
-        from dspark_serve.kernels import dispatch
-        from dspark_serve.kernels import paged_attention_triton as pat
-        monkeypatch.setattr(dispatch, "ATTN_FUSED_COMBINE", fused)
-        monkeypatch.setattr(pat, "_COUNTERS", {})
-        case = _case([2, 5, 1], [2, 260, 9], 14, 2, 64, block_size=8, seed=4)
-        for _ in range(3):
-            _check(*case, config=AttentionConfig(16, 16, num_splits=5))
-        if fused:
-            counters = pat._COUNTERS[torch.device("cpu")]
-            assert counters.numel() >= 3 * 2 * 3 and not counters.any()       # 3 requests x 2 kv heads x 3 tiles
-        else:
-            assert pat._COUNTERS == {}
-
     def test_row_tiles_and_default_split():
         # 16 x 7 rows in two 64-row tiles; the default config splits this long single request
         q, k, v, meta = _case([16], [700], 14, 2, 64, block_size=16)
