@@ -22,7 +22,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
-
 from triton.language.extra import libdevice
 
 from . import dispatch, pdl
@@ -201,4 +200,3 @@ def linear_silu_mul(x: Tensor, w_gate_up: Tensor) -> Tensor:
             and x.dtype == w_gate_up.dtype == torch.bfloat16 and w_gate_up.stride(1) == 1):
         return gemv(x, w_gate_up, swiglu=True)
     return silu_mul(linear(x, w_gate_up))
-
