@@ -133,7 +133,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
-def _check(x: Tensor, w: Tensor, bias: Tensor | None, swiglu: bool) -> None:
+def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, config: DenseGemvConfig | None = None,
+         swiglu: bool = False) -> Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in w's dtype; M <= 16. swiglu (M = 1, no bias): w is
+    [gate; up] [2I, K] and the result silu_mul(x @ w^T) [1, I]."""
     if w.dim() != 2 or w.stride(1) != 1:
         raise ValueError(f"w must be [N, K] with unit column stride, got {tuple(w.shape)}")
     n, k = w.shape
@@ -147,34 +150,25 @@ def _check(x: Tensor, w: Tensor, bias: Tensor | None, swiglu: bool) -> None:
     if swiglu and (m != 1 or bias is not None or n % 2 or w.dtype not in (torch.bfloat16, torch.float32)):
         raise ValueError(f"swiglu needs one row, no bias, an even N and bf16/fp32 w, got M = {m}, N = {n}, "
                          f"{w.dtype}{', a bias' if bias is not None else ''}")
-
-
-def _launch(x: Tensor, w: Tensor, bias: Tensor | None, cfg: DenseGemvConfig | None, swiglu: bool) -> Tensor:
-    m, (n, k) = x.shape[0], w.shape
-    cfg = cfg or default_dense_gemv_config(m, n, k)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or default_dense_gemv_config(m, n, k)
     if cfg.block_k & (cfg.block_k - 1) or cfg.block_k < 16 or (m > 1 and cfg.block_n < 16) \
             or (swiglu and (cfg.block_n < 2 or cfg.block_n & (cfg.block_n - 1))):
         raise ValueError(f"bad DenseGemvConfig {cfg}: block_k a power of 2 >= 16, block_n >= 16 for M > 1, "
                          "a power of 2 >= 2 for swiglu")
-    out = torch.empty(m, n // 2 if swiglu else n, device=x.device, dtype=w.dtype)
+    n_out = n // 2 if swiglu else n
+    out = torch.empty(m, n_out, device=x.device, dtype=w.dtype)
     if m == 0 or n == 0:
         return out
     on, opts = pdl.launch(x)
-    _gemv_kernel[(triton.cdiv(n // 2 if swiglu else n, cfg.block_n // 2 if swiglu else cfg.block_n),)](
+    _gemv_kernel[(triton.cdiv(n_out, cfg.block_n // 2 if swiglu else cfg.block_n),)](
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=max(16, triton.next_power_of_2(m)), USE_DOT=m > 1,
         DOT_F32=not x.is_cuda or w.dtype == torch.float32, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PDL=on, SWIGLU=swiglu, OUT_BF16=w.dtype == torch.bfloat16, LIBDEVICE=x.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
     return out
-
-
-def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, config: DenseGemvConfig | None = None,
-         swiglu: bool = False) -> Tensor:
-    """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in w's dtype; M <= 16. swiglu (M = 1, no bias): w is
-    [gate; up] [2I, K] and the result silu_mul(x @ w^T) [1, I]."""
-    _check(x, w, bias, swiglu)
-    return _launch(x if x.stride(1) == 1 else x.contiguous(), w, bias, config, swiglu)
 
 
 def gemv_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:

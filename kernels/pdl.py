@@ -39,14 +39,6 @@ except ImportError:  # Triton < 3.3: never called, `enabled` is False
 
 
 @triton.jit
-def pdl_prologue(PDL: tl.constexpr):
-    """Call first in a kernel launched with `launch(t)`'s options, before any load or store."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-
-
-@triton.jit
 def pdl_trigger(PDL: tl.constexpr):
     """The successor may launch (a kernel that loads constants before `pdl_wait` calls this first)."""
     if PDL:
@@ -59,6 +51,13 @@ def pdl_wait(PDL: tl.constexpr):
     constants (weights) may come before it."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """Call first in a kernel launched with `launch(t)`'s options, before any load or store."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
 
 
 @lru_cache(maxsize=None)
