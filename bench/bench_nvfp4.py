@@ -16,8 +16,9 @@ from dspark_serve.kernels import gathered_bias as gb
 from dspark_serve.kernels import nvfp4
 from dspark_serve.kernels.w4a16_gemm import (GemmConfig, default_config, w4a16_dequant_matmul, w4a16_gemm,
                                              w4a16_gemm_ref)
-from dspark_serve.kernels.w4a16_gemv import (GemvConfig, default_gemv_config, tensor_core_config, w4a16_gemv,
-                                              words_config)
+from dspark_serve.kernels import dispatch
+from dspark_serve.kernels.w4a16_gemv import (GemvConfig, default_gemv_config, mma_config, mma_fits,
+                                              tensor_core_config, w4a16_gemv, words_config)
 
 SHAPES = {"fc": (4096, 20480), "q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (12288, 4096),
           "down": (4096, 12288), "lm_head": (151936, 4096)}
@@ -149,7 +150,10 @@ def gemv_sweep(m: int, n: int, k: int) -> list[GemvConfig]:
         tiles = ((64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 2), (128, 64, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3))
     prmt = [tensor_core_config(n, k, bn, bk, w, prmt=True, num_stages=st) for bn, bk, w, st in tiles]
     integer = [dataclasses.replace(default_gemv_config(m, n, k), prmt=False)] if m > 1 else []   # integer decode
-    return words + integer + prmt
+    mma = [mma_config(n, k, t, w, wps, l2_ahead=ahead) for t, w, wps in ((2, 8, 64), (2, 4, 8), (2, 2, 8), (1, 8, 16),
+                                                                         (1, 8, 32), (1, 4, 8), (1, 4, 32))
+           for ahead in (0, 2, 4)] if m <= 16 and mma_fits(n, k) else []
+    return words + integer + prmt + mma
 
 
 def gemv_close(got: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -158,7 +162,7 @@ def gemv_close(got: torch.Tensor, ref: torch.Tensor) -> bool:
                  + 1e-3 * ref.float().abs().max()).all())
 
 
-def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool) -> list[dict]:
+def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool, ms=(1, 7, 8, 16, 32, 56, 64)) -> list[dict]:
     """w4a16_gemv at M in (1, 7, 8, 16): every config checked vs w4a16_gemm_ref, then timed vs bf16 F.linear."""
     base = nvfp4.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     w_bytes = base[0].numel() + base[1].numel() + 4
@@ -167,13 +171,13 @@ def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool) -> list[
     dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
              for _ in range(max(1, min(32, ROTATE_BYTES // (2 * n * k))))]
     rows = []
-    for m in (1, 7, 8, 16, 32, 56, 64):                       # 56: a 7-token draft block for 8 requests
+    for m in ms:                                              # 56: a 7-token draft block for 8 requests
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = w4a16_gemm_ref(x, *base)
         q_bytes = w_bytes + 2 * m * k + 2 * m * n             # packed + scales + activation + output
         bf16_us = graph_time_us([lambda w=w: F.linear(x, w) for w in dense])
         dequant_us = graph_time_us([lambda c=c: w4a16_dequant_matmul(x, *c) for c in copies]) if m > 16 else None
-        configs = [default_gemv_config(m, n, k)] + (gemv_sweep(m, n, k) if sweep else [])
+        configs = [default_gemv_config(m, n, k, mma_ok=dispatch.GEMV_MMA)] + (gemv_sweep(m, n, k) if sweep else [])
         results, failed = [], []
         for cfg in dict.fromkeys(configs):
             try:
@@ -211,17 +215,18 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also time a grid of GEMM configs per (shape, M)")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--out", default="bench_nvfp4.json")
-    p.add_argument("--gemv", action="store_true", help="only the GEMV path (w4a16_gemv), M in 1, 7, 8, 16, 32, 56, 64")
+    p.add_argument("--gemv", action="store_true", help="only the GEMV path (w4a16_gemv), M in --ms")
+    p.add_argument("--ms", type=int, nargs="+", default=[1, 7, 8, 16, 32, 56, 64], help="--gemv: rows of x")
     args = p.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}  device-to-device copy {copy_gbs:.0f} GB/s (read + write bytes)", flush=True)
     if args.gemv:
-        rows = [r for s in args.shapes for r in bench_gemv(s, *SHAPES[s], copy_gbs, args.sweep)]
+        rows = [r for s in args.shapes for r in bench_gemv(s, *SHAPES[s], copy_gbs, args.sweep, args.ms)]
         print("shape, M: default us, % of copy, x vs bf16 | best us, x vs bf16, [block_n, block_k, warps, stages] "
               "prmt/words | M > 16: dequant+cuBLAS us")
         for r in rows:
             c = r["best_config"]
-            kind = "words" if c["words"] else "prmt" if c["prmt"] else "int"
+            kind = "mma" if c.get("mma") else "words" if c["words"] else "prmt" if c["prmt"] else "int"
             deq = f" | {r['dequant_matmul_us']:7.2f}" if r["dequant_matmul_us"] else ""
             print(f"  {r['shape']:8s} M={r['M']:2d} {r['us']:8.2f} {r['pct_copy']:5.1f}% "
                   f"x{r['speedup_vs_bf16']:4.2f} | "

@@ -133,7 +133,8 @@ def profile(name: str, kernel, words_per_iteration: int, num_warps: int) -> Loop
 
 
 def gemv_profiles(m: int, n: int, k: int) -> list[LoopProfile]:
-    """Every M <= 16 GEMV path of kernels/ at [m, k] x [n, k]: the default config, plus the other paths."""
+    """Every M <= 16 GEMV path of kernels/ at [m, k] x [n, k]: the sm_90 default (the mma kernel where the shape fits),
+    the default without it, plus the other paths."""
     from dspark_serve.kernels import w4a16_gemv as g, w4a16_gemv_words as gw
     x = torch.empty(m, k, dtype=torch.bfloat16)
     packed = torch.empty(n, k // 2, dtype=torch.uint8)
@@ -148,6 +149,14 @@ def gemv_profiles(m: int, n: int, k: int) -> list[LoopProfile]:
         if cfg.use_dot:   # the other decode of the tensor-core path
             configs[label + ", other decode"] = dataclasses.replace(cfg, prmt=not cfg.prmt)
     out = []
+    if g.mma_fits(n, k):
+        from dspark_serve.kernels import w4a16_gemv_mma as gm
+        cfg = g.default_gemv_config(m, n, k, mma_ok=True)
+        (fn, args, kw), = record_launches(gm, ("_gemv_mma_kernel",), lambda: g.gemv_mma(
+            x, packed, scale, scale_2, cfg.block_n // (16 * cfg.num_warps), cfg.num_warps, cfg.split_k, cfg.l2_ahead))
+        kernel = compile_sm90(fn, args, kw)
+        out.append(profile(f"mma [{cfg.block_n}, 128] {cfg.num_warps}w (sm_90 default)", kernel,
+                           16 * 16 * kw["TILES"] * kw["WARPS"], kw["WARPS"]))
     for label, cfg in configs.items():
         names = ("_w4a16_gemv_kernel",) if not cfg.words else ("_gemv_words_kernel",)
         module = gw if cfg.words else g

@@ -20,6 +20,9 @@ HAVE_TRITON = _have_triton()  # an optional extra (`dspark-serve[triton]`); CPU 
 # The 1 < M <= 64 NVFP4 GEMV decodes with the inline PTX of e2m1_prmt.py on sm_90+ (1.7-2.4x the integer decode on
 # an H200, bench/RESULTS.md); DSPARK_GEMV_PRMT=0 turns it off
 GEMV_PRMT = os.environ.get("DSPARK_GEMV_PRMT", "1") == "1"
+# M <= 16 NVFP4 GEMVs on sm_90+ take the register-fed mma.sync kernel of w4a16_gemv_mma.py where K % 128 == 0 and
+# N % 16 == 0; DSPARK_GEMV_MMA=0 turns it off
+GEMV_MMA = os.environ.get("DSPARK_GEMV_MMA", "1") == "1"
 # The target's batch-1 decode row runs the Triton dense GEMV of gemv_bf16.py instead of cuBLAS (8B plain step on an
 # H200: 4.52 instead of 4.82 ms, bench/RESULTS.md); DSPARK_DENSE_GEMV=0 turns it off
 DENSE_GEMV = os.environ.get("DSPARK_DENSE_GEMV", "1") == "1"

@@ -75,13 +75,27 @@ def _mul_bf16x2(a: int, b: int) -> int:
     return int(p[0]) | int(p[1]) << 16
 
 
+def _f32(bits: int) -> torch.Tensor:
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _f32_bits(f: torch.Tensor) -> int:
+    return int(f.view(torch.int32)) & 0xFFFFFFFF
+
+
+def _bf16_bits(f: torch.Tensor) -> int:
+    return int(f.to(torch.bfloat16).view(torch.int16)) & 0xFFFF
+
+
 def emulate(ptx, inputs: list[int], n_out: int) -> list[int]:
     """Run straight-line PTX over 32-bit values (the instructions PTX above uses) -> the n_out output registers."""
     regs = {f"${i}": v for i, v in enumerate([0] * n_out + list(inputs))}
 
     def val(tok: str) -> int:
         tok = tok.strip()
-        return regs[tok] if tok in regs else int(tok, 0) & 0xFFFFFFFF
+        if tok in regs:
+            return regs[tok]
+        return int(tok[2:], 16) if tok.startswith("0f") else int(tok, 0) & 0xFFFFFFFF   # 0fXXXXXXXX: f32 bits
     for line in str(getattr(ptx, "value", ptx)).splitlines():
         line = line.split("//")[0].strip().rstrip(";")
         if not line or line[0] in "{}." or line.startswith(".reg"):
@@ -103,6 +117,10 @@ def emulate(ptx, inputs: list[int], n_out: int) -> list[int]:
             r = _lop3(*v)
         elif op == "mul.rn.bf16x2":
             r = _mul_bf16x2(*v)
+        elif op == "mul.rn.f32":
+            r = _f32_bits(_f32(v[0]) * _f32(v[1]))
+        elif op == "cvt.rn.bf16x2.f32":                  # a to the high half, b to the low half
+            r = _bf16_bits(_f32(v[0])) << 16 | _bf16_bits(_f32(v[1]))
         else:
             raise ValueError(f"emulate: no {op}")
         regs[dst] = r

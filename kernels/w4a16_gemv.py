@@ -29,6 +29,7 @@ from . import dispatch
 from .e2m1_prmt import e2m1_scaled_bf16
 from .nvfp4_triton import fp8e4m3_to_f32
 from .nvfp4_ref import check_packed
+from .w4a16_gemv_mma import CHUNK_K, gemv_mma
 from .w4a16_gemv_words import gemv_words
 
 
@@ -46,15 +47,23 @@ class GemvConfig:
     join: bool = True     # M == 1 path: x loaded contiguous, codes interleaved with tl.join (else [BN, G, 8] tiles)
     words: bool = False   # the int32-word CUDA-core kernel (w4a16_gemv_words.py) for any M <= 16; use_dot, join unused
     prmt: bool = False    # tensor-core path on CUDA: decode with the inline-PTX byte tables of e2m1_prmt.py
+    mma: bool = False     # register-fed mma.sync kernel of w4a16_gemv_mma.py (sm_90, M <= 16); block_n = 16 rows x
+                          # tiles per warp x num_warps, block_k unused
+    l2_ahead: int = 0     # mma kernel: prefetch the weights this many 128-K chunks ahead into L2 (0: off)
 
 
-def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> GemvConfig:
+def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool = False) -> GemvConfig:
     """From H200 sweeps (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md): M == 1 takes the int32-word
     kernel with [8, 512] tiles and 2 warps (1.37-1.69x bf16 on five of the six 8B draft shapes); M > 1 the
     tensor-core path with the inline-PTX decode (dispatch.GEMV_PRMT): [64, 256] tiles up to M = 16 (within 5 % of
     the best config of the 2026-12-01 sweep at every shape, 0.88-1.48x bf16, where the integer decode measured
     0.51-0.75x); above 16 rows the sweep's best, one for long K or a vocab-sized N (fc, down, lm_head), one for
-    the rest."""
+    the rest. With mma_ok (an sm_90 device and dispatch.GEMV_MMA), M <= 16 takes the register-fed mma kernel where
+    its shapes allow (K % 128 == 0, N % 16 == 0): 1.05-2.2x the kernels above at the 8B draft shapes."""
+    if mma_ok and m <= 16 and mma_fits(n, k):   # the 2026-12-01 sweep's best: 8-warp programs up to 8 rows of x,
+        if n >= 65536:                          # the vocab-sized N with L2 prefetch (its K loop is long)
+            return mma_config(n, k, 2, 8 if m <= 8 else 4, 64 if m <= 8 else 8, num_sms, l2_ahead=2)
+        return mma_config(n, k, 1, 8, 16, num_sms) if m <= 8 else mma_config(n, k, 2, 4, 8, num_sms)
     if m == 1:
         return words_config(n, k, 8, 512, 2, num_sms)
     if m > 16:   # [64, 256] weight tiles spill with 32-64 rows of x; long K or a vocab-sized N take wider tiles
@@ -74,6 +83,20 @@ def tensor_core_config(n: int, k: int, block_n: int = 64, block_k: int = 256, nu
     while tiles * split < programs and split * 2 <= steps:
         split *= 2
     return GemvConfig(block_n, block_k, split, True, num_warps=num_warps, num_stages=num_stages, join=False, prmt=prmt)
+
+
+def mma_fits(n: int, k: int) -> bool:
+    return k % CHUNK_K.value == 0 and n % 16 == 0 and k > 0 and n > 0
+
+
+def mma_config(n: int, k: int, tiles: int = 2, num_warps: int = 4, warps_per_sm: int = 8, num_sms: int = 132,
+               l2_ahead: int = 0) -> GemvConfig:
+    """An mma-kernel config (tiles of 16 rows per warp) whose split-K (a power of 2, at least one 128-K chunk per
+    split) gives at least `warps_per_sm` warps per SM."""
+    warps, chunks, split = triton.cdiv(n, 16 * tiles), k // CHUNK_K.value, 1
+    while warps * split < warps_per_sm * num_sms and split * 2 <= chunks:
+        split *= 2
+    return GemvConfig(16 * tiles * num_warps, CHUNK_K.value, split, num_warps=num_warps, mma=True, l2_ahead=l2_ahead)
 
 
 def words_config(n: int, k: int, block_n: int, block_k: int, num_warps: int, num_sms: int = 132,
@@ -225,7 +248,17 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
         raise ValueError(f"w4a16_gemv handles M <= {GEMV_MAX_M}, got M = {m}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = config or default_gemv_config(m, n, k)
+    mma_ok = dispatch.GEMV_MMA and x.is_cuda and _has_bf16x2_mul(x.device)
+    cfg = config or default_gemv_config(m, n, k, mma_ok=mma_ok)
+    if cfg.mma:
+        tiles, rest = divmod(cfg.block_n, 16 * cfg.num_warps)
+        if m > 16 or not mma_fits(n, k) or rest or tiles not in (1, 2):
+            raise ValueError(f"bad GemvConfig {cfg} for M = {m}, [{n}, {k}]: the mma kernel needs M <= 16, "
+                             f"K % 128 == 0, N % 16 == 0 and block_n = 16 x (1 or 2) x num_warps")
+        if not (x.is_cuda and _has_bf16x2_mul(x.device)):
+            raise ValueError("the mma GEMV kernel runs on CUDA sm_90+ only")
+        return gemv_mma(x.to(torch.bfloat16), packed, weight_scale, weight_scale_2, tiles, cfg.num_warps,
+                        cfg.split_k, cfg.l2_ahead)
     if cfg.words and m > 16:
         raise ValueError(f"the words kernel handles M <= 16, got M = {m} ({cfg})")
     if cfg.words:

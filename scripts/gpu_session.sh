@@ -17,6 +17,8 @@
 #   gemv      random weights only: NVFP4 GPU tests, the M <= 64 GEMV sweep (prmt decode included), bench_step
 #             with DSPARK_GEMV_PRMT=0 and 1, bench_gpu at the 8B shapes (P1-P3)
 #   dense     random weights only: the target's dense GEMV (tests, sweep vs cuBLAS), bench_gpu without / with it
+#   mma       random weights only: the register-fed mma GEMV (tests, the M <= 16 sweep), bench_step with
+#             DSPARK_GEMV_MMA=0 and 1, bench_gpu at the 8B shapes (P3)
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -146,6 +148,18 @@ pdl)  # random weights: PDL and the GEMV fusions, tests then the 8B step with ea
         PDL=0,GEMV_SWIGLU=0 PDL=1,GEMV_SWIGLU=1 PDL=1,GEMV_SWIGLU=1,DENSE_GEMV_ROWS=16 \
         --json "$OUT/bench_gpu_pdl.json" \
         2>&1 | grep -v Warn | tee "$OUT/bench_gpu_pdl.log" | grep -A30 "^model graphs"
+    timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
+        2>&1 | tee "$OUT/bench_gpu.log" | tail -10 ;;
+mma)  # random weights: the mma GEMV's tests and M <= 16 sweep, the draft step without / with it, P1-P3
+    timeout 150 python3 -P -m pytest -q -rf -x tests/gpu/test_gemv_mma_gpu.py > "$OUT/mma_tests.log" 2>&1
+    tail -5 "$OUT/mma_tests.log"
+    timeout 240 python3 bench/bench_nvfp4.py --gemv --sweep --ms 1 7 8 16 --out "$OUT/bench_gemv.json" 2>&1 \
+        | tee "$OUT/bench_gemv.log" | grep -v "^skip" | tail -26
+    for p in 0 1; do
+        DSPARK_GEMV_MMA=$p timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_mma$p.json" 2>&1 \
+            | grep -v Warn > "$OUT/bench_step_mma$p.log"
+        echo "DSPARK_GEMV_MMA=$p"; grep -A6 "==" "$OUT/bench_step_mma$p.log"
+    done
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
         2>&1 | tee "$OUT/bench_gpu.log" | tail -10 ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;

@@ -116,12 +116,15 @@ def test_sass_loop_counts_the_hot_loop(monkeypatch):
     from dspark_serve.kernels import dispatch
     monkeypatch.setattr(dispatch, "GEMV_PRMT", True)
     rows = {p.name: p for p in sass_loop.gemv_profiles(16, 4096, 1024)}
-    assert set(rows) == {"tensor cores, prmt [64, 256] 4w (default)", "tensor cores [64, 256] 4w", "words [8, 512] 2w"}
+    assert set(rows) == {"tensor cores, prmt [64, 256] 4w (default)", "tensor cores [64, 256] 4w", "words [8, 512] 2w",
+                         "mma [128, 128] 4w (sm_90 default)"}
     assert all(p.instructions > 0 and p.by_class["load"] + p.by_class["shared"] > 0 for p in rows.values())
     tc, prmt = rows["tensor cores [64, 256] 4w"], rows["tensor cores, prmt [64, 256] 4w (default)"]
     assert tc.by_class["mma"] > 0 and prmt.by_class["mma"] > 0
     assert prmt.per_word < 0.6 * tc.per_word
     assert prmt.by_class["load"] == 0 and prmt.by_class["async copy"] > 0
+    mma = rows["mma [128, 128] 4w (sm_90 default)"]                   # registers only, fewest instructions
+    assert mma.by_class["shared"] == 0 and mma.per_word < 0.8 * prmt.per_word
 
 
 @pytest.mark.parametrize("m", [1, 8])
