@@ -10,17 +10,18 @@ A word's codes (i, i + 4) form one bf16x2 register, so its 8 codes fill the A sl
     mma 1: a0 = row g (c0, c4), a1 = row g+8 (c0, c4), a2 = row g (c1, c5), a3 = row g+8 (c1, c5), b = x (0, 4), (1, 5)
     mma 2: the same with codes / x (2, 6) and (3, 7)
 
-Decode, 17 instructions per word (a bit select that moves each sign 9 bits above its magnitude, then a shift and a
-mask per pair of codes, inline PTX): each code lands under bf16's exponent LSBs / mantissa MSB and its sign bit, which is
-E2M1 * 2**-126 (0.5 a subnormal), times its block scale * 2**64 (`mul.rn.bf16x2`, exact: <= 6 significant bits,
-normal). The fp32 accumulators get 2**62 * weight_scale_2 at the end.
+Decode, 17 instructions per word (inline PTX): a bit select moves each sign 9 bits above its magnitude, then a shift
+and a mask per pair of codes put each code under bf16's exponent LSBs / mantissa MSB and its sign bit, which is
+E2M1 * 2**-126 (0.5 a subnormal); `mul.rn.bf16x2` by the block scale * 2**64 makes it exact and normal (<= 6
+significant bits). The fp32 accumulators get 2**62 * weight_scale_2 at the end.
 
 A warp covers TILES 16-row tiles (x loaded and paired once for all of them) and prefetches the next chunk's words
-and scales while the tensor cores work on this one. Split-K adds fp32 partials into the zeroed workspace of
+and scales while the tensor cores work on this one; with L2_AHEAD it also prefetches the chunk that many steps
+ahead into L2 (a win only for long K loops: the vocab-sized N, bench/RESULTS.md). Split-K adds fp32 partials into the zeroed workspace of
 `w4a16_gemv_words`; the last program of an N block writes bf16 and re-zeroes it.
 
 Every memory access is inline PTX on tensors of one value per thread, so Triton never changes their layout: the
-lane that computes a value is the lane the mma reads it from. CUDA only; `model` is the same algorithm in PyTorch.
+lane that computes a value is the lane the mma reads it from. CUDA only (sm_90: `mul.rn.bf16x2`).
 """
 
 import torch
@@ -100,7 +101,8 @@ STORE_ZERO = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; 
 @triton.jit
 def _load4(addr, ok):
     """16 bytes at addr (int64 byte address per lane) as 4 int32; zeros where ok == 0."""
-    return tl.inline_asm_elementwise(LOAD4, "=r,=r,=r,=r,l,r", [addr, ok], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(LOAD4, "=r,=r,=r,=r,l,r", [addr, ok],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
@@ -155,21 +157,17 @@ def _load_tile(q_addr, s_addr, q_row_bytes, s_row_bytes, ones):
 
 
 @triton.jit
+def _x_pairs(addr, ok):
+    """8 bf16 of x at addr -> the B pairs (0, 4), (1, 5), (2, 6), (3, 7); zeros where ok == 0."""
+    r0, r1, r2, r3 = _load4(addr, ok)
+    return tl.inline_asm_elementwise(PAIR_X, "=r,=r,=r,=r,r,r,r,r", [r0, r1, r2, r3],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
 def _load_x(addr, ok):
     """32 bf16 of one x row at addr (this lane's 4 words of K) -> 16 B pairs, zeros where ok == 0."""
-    r0, r1, r2, r3 = _load4(addr, ok)
-    x0, x1, x2, x3 = tl.inline_asm_elementwise(PAIR_X, "=r,=r,=r,=r,r,r,r,r", [r0, r1, r2, r3],
-                                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    r0, r1, r2, r3 = _load4(addr + 16, ok)
-    x4, x5, x6, x7 = tl.inline_asm_elementwise(PAIR_X, "=r,=r,=r,=r,r,r,r,r", [r0, r1, r2, r3],
-                                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    r0, r1, r2, r3 = _load4(addr + 32, ok)
-    x8, x9, x10, x11 = tl.inline_asm_elementwise(PAIR_X, "=r,=r,=r,=r,r,r,r,r", [r0, r1, r2, r3],
-                                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    r0, r1, r2, r3 = _load4(addr + 48, ok)
-    x12, x13, x14, x15 = tl.inline_asm_elementwise(PAIR_X, "=r,=r,=r,=r,r,r,r,r", [r0, r1, r2, r3],
-                                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+    return _x_pairs(addr, ok) + _x_pairs(addr + 16, ok) + _x_pairs(addr + 32, ok) + _x_pairs(addr + 48, ok)
 
 
 @triton.jit
@@ -187,8 +185,8 @@ def _tile_out(acc, rows, t, out_addr, work_addr, M, N, stride_om, scale, LAST: t
             tl.inline_asm_elementwise(STORE_BF16, "=r,f,l,r", [v, out_addr + (m.to(tl.int64) * stride_om + n) * 2, ok],
                                       dtype=tl.int32, is_pure=False, pack=1)
         elif not LAST:
-            tl.inline_asm_elementwise(RED, "=r,f,l,r", [v, work_addr + (m.to(tl.int64) * N + n) * 4, ok], dtype=tl.int32,
-                                      is_pure=False, pack=1)
+            tl.inline_asm_elementwise(RED, "=r,f,l,r", [v, work_addr + (m.to(tl.int64) * N + n) * 4, ok],
+                                      dtype=tl.int32, is_pure=False, pack=1)
         else:
             w_addr = work_addr + (m.to(tl.int64) * N + n) * 4
             total = tl.inline_asm_elementwise(LOAD_CG, "=f,l,r", [w_addr, ok], dtype=tl.float32, is_pure=False, pack=1)
