@@ -14,7 +14,9 @@ integer ops into fp32 bits (no table, no cvt). Two reductions:
 
 Even and odd K columns are handled separately (low / high nibble), so the packed bytes are never interleaved.
 weight_scale_2 is applied once at the end. Split-K (fp32 atomics + cast) only when there are too few N tiles.
-``GemvConfig(words=True)`` runs the int32-word CUDA-core kernel of `w4a16_gemv_words` instead, for any M <= 16.
+``GemvConfig(words=True)`` runs the int32-word CUDA-core kernel of `w4a16_gemv_words` instead, for any M <= 16, and
+``GemvConfig(mma=True)`` the register-fed tensor-core kernel of `w4a16_gemv_mma` (sm_90, M <= 16; the default there
+for bf16 x where K % 128 == 0 and N % 16 == 0; x in another dtype is rounded to bf16 for it).
 """
 
 import functools
@@ -59,7 +61,7 @@ def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool
     the best config of the 2026-12-01 sweep at every shape, 0.88-1.48x bf16, where the integer decode measured
     0.51-0.75x); above 16 rows the sweep's best, one for long K or a vocab-sized N (fc, down, lm_head), one for
     the rest. With mma_ok (an sm_90 device and dispatch.GEMV_MMA), M <= 16 takes the register-fed mma kernel where
-    its shapes allow (K % 128 == 0, N % 16 == 0): 1.05-2.2x the kernels above at the 8B draft shapes."""
+    its shapes allow (K % 128 == 0, N % 16 == 0): 1.0-1.5x the kernels above at the 8B draft shapes (one sweep)."""
     if mma_ok and m <= 16 and mma_fits(n, k):   # the 2026-12-01 sweep's best: 8-warp programs up to 8 rows of x,
         if n >= 65536:                          # the vocab-sized N with L2 prefetch (its K loop is long)
             return mma_config(n, k, 2, 8 if m <= 8 else 4, 64 if m <= 8 else 8, num_sms, l2_ahead=2)
@@ -248,7 +250,7 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
         raise ValueError(f"w4a16_gemv handles M <= {GEMV_MAX_M}, got M = {m}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    mma_ok = dispatch.GEMV_MMA and x.is_cuda and _has_bf16x2_mul(x.device)
+    mma_ok = dispatch.GEMV_MMA and x.dtype == torch.bfloat16 and x.is_cuda and _has_bf16x2_mul(x.device)
     cfg = config or default_gemv_config(m, n, k, mma_ok=mma_ok)
     if cfg.mma:
         tiles, rest = divmod(cfg.block_n, 16 * cfg.num_warps)
