@@ -150,10 +150,9 @@ def gemv_sweep(m: int, n: int, k: int) -> list[GemvConfig]:
         tiles = ((64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 2), (128, 64, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3))
     prmt = [tensor_core_config(n, k, bn, bk, w, prmt=True, num_stages=st) for bn, bk, w, st in tiles]
     integer = [dataclasses.replace(default_gemv_config(m, n, k), prmt=False)] if m > 1 else []   # integer decode
-    mma = [mma_config(n, k, t, w, wps, l2_ahead=ahead) for t, w, wps, ahead in (
-        (2, 8, 64, 0), (2, 8, 64, 1), (2, 8, 64, 2), (2, 8, 64, 3), (2, 8, 32, 2), (2, 8, 128, 2), (2, 4, 8, 0),
-        (2, 4, 8, 2), (2, 2, 8, 0), (1, 8, 16, 0), (1, 8, 16, 1), (1, 8, 4, 2), (1, 8, 8, 2), (1, 8, 4, 0),
-        (1, 4, 8, 0), (1, 4, 32, 0))] if m <= 16 and mma_fits(n, k) else []
+    mma = [mma_config(n, k, t, w, wps, l2_ahead=ahead, l2_fetch=fetch) for t, w, wps, ahead in (
+        (2, 8, 64, 0), (2, 8, 64, 1), (2, 4, 8, 0), (2, 4, 8, 1), (1, 8, 16, 0), (1, 8, 8, 0), (1, 4, 8, 0),
+        (1, 8, 4, 0)) for fetch in (0, 128, 256)] if m <= 16 and mma_fits(n, k) else []
     return words + integer + prmt + mma
 
 

@@ -52,6 +52,7 @@ class GemvConfig:
     mma: bool = False     # register-fed mma.sync kernel of w4a16_gemv_mma.py (sm_90, M <= 16); block_n = 16 rows x
                           # tiles per warp x num_warps, block_k unused
     l2_ahead: int = 0     # mma kernel: prefetch the weights this many 128-K chunks ahead into L2 (0: off)
+    l2_fetch: int = 0     # mma kernel: weight loads ask L2 for 128 or 256 bytes (the L2::128B / 256B hint; 0: none)
 
 
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool = False) -> GemvConfig:
@@ -62,9 +63,11 @@ def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool
     0.51-0.75x); above 16 rows the sweep's best, one for long K or a vocab-sized N (fc, down, lm_head), one for
     the rest. With mma_ok (an sm_90 device and dispatch.GEMV_MMA), M <= 16 takes the register-fed mma kernel where
     its shapes allow (K % 128 == 0, N % 16 == 0): 1.0-1.5x the kernels above at the 8B draft shapes (one sweep)."""
-    if mma_ok and m <= 16 and mma_fits(n, k):   # the 2026-12-01 sweep's best: 8-warp programs up to 8 rows of x,
-        if n >= 65536:                          # the vocab-sized N with L2 prefetch (its K loop is long)
-            return mma_config(n, k, 2, 8 if m <= 8 else 4, 64 if m <= 8 else 8, num_sms, l2_ahead=2)
+    if mma_ok and m <= 16 and mma_fits(n, k):   # the 2026-12-01 sweeps' best: 8-warp programs up to 8 rows of x;
+        if n >= 65536:                          # a vocab-sized N with the L2::128B hint on its weight loads
+            if m == 1:
+                return mma_config(n, k, 1, 4, 8, num_sms, l2_fetch=128)
+            return mma_config(n, k, 2, 8 if m <= 8 else 4, 64 if m <= 8 else 8, num_sms, l2_fetch=128)
         return mma_config(n, k, 1, 8, 16, num_sms) if m <= 8 else mma_config(n, k, 2, 4, 8, num_sms)
     if m == 1:
         return words_config(n, k, 8, 512, 2, num_sms)
@@ -92,13 +95,14 @@ def mma_fits(n: int, k: int) -> bool:
 
 
 def mma_config(n: int, k: int, tiles: int = 2, num_warps: int = 4, warps_per_sm: int = 8, num_sms: int = 132,
-               l2_ahead: int = 0) -> GemvConfig:
+               l2_ahead: int = 0, l2_fetch: int = 0) -> GemvConfig:
     """An mma-kernel config (tiles of 16 rows per warp) whose split-K (a power of 2, at least one 128-K chunk per
     split) gives at least `warps_per_sm` warps per SM."""
     warps, chunks, split = triton.cdiv(n, 16 * tiles), k // CHUNK_K.value, 1
     while warps * split < warps_per_sm * num_sms and split * 2 <= chunks:
         split *= 2
-    return GemvConfig(16 * tiles * num_warps, CHUNK_K.value, split, num_warps=num_warps, mma=True, l2_ahead=l2_ahead)
+    return GemvConfig(16 * tiles * num_warps, CHUNK_K.value, split, num_warps=num_warps, mma=True, l2_ahead=l2_ahead,
+                      l2_fetch=l2_fetch)
 
 
 def words_config(n: int, k: int, block_n: int, block_k: int, num_warps: int, num_sms: int = 132,
@@ -254,13 +258,13 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
     cfg = config or default_gemv_config(m, n, k, mma_ok=mma_ok)
     if cfg.mma:
         tiles, rest = divmod(cfg.block_n, 16 * cfg.num_warps)
-        if m > 16 or not mma_fits(n, k) or rest or tiles not in (1, 2):
+        if m > 16 or not mma_fits(n, k) or rest or tiles not in (1, 2) or cfg.l2_fetch not in (0, 128, 256):
             raise ValueError(f"bad GemvConfig {cfg} for M = {m}, [{n}, {k}]: the mma kernel needs M <= 16, "
                              f"K % 128 == 0, N % 16 == 0 and block_n = 16 x (1 or 2) x num_warps")
         if not (x.is_cuda and _has_bf16x2_mul(x.device)):
             raise ValueError("the mma GEMV kernel runs on CUDA sm_90+ only")
         return gemv_mma(x.to(torch.bfloat16), packed, weight_scale, weight_scale_2, tiles, cfg.num_warps,
-                        cfg.split_k, cfg.l2_ahead)
+                        cfg.split_k, cfg.l2_ahead, cfg.l2_fetch)
     if cfg.words and m > 16:
         raise ValueError(f"the words kernel handles M <= 16, got M = {m} ({cfg})")
     if cfg.words:

@@ -16,9 +16,10 @@ E2M1 * 2**-126 (0.5 a subnormal); `mul.rn.bf16x2` by the block scale * 2**64 mak
 significant bits). The fp32 accumulators get 2**62 * weight_scale_2 at the end.
 
 A warp covers TILES 16-row tiles (x loaded and paired once for all of them) and prefetches the next chunk's words
-and scales while the tensor cores work on this one; with L2_AHEAD it also prefetches the chunk that many steps
-ahead into L2 (a win only for long K loops: the vocab-sized N, bench/RESULTS.md). Split-K adds fp32 partials into the zeroed workspace of
-`w4a16_gemv_words`; the last program of an N block writes bf16 and re-zeroes it.
+and scales while the tensor cores work on this one. L2_FETCH = 128 / 256 puts the L2::128B / 256B hint on the weight
+loads (L2 fetches that many bytes around each 64-byte read of a quad: lm_head at M = 1 from 134 to 114 us), L2_AHEAD
+prefetches the chunk that many steps ahead into L2 (bench/RESULTS.md). Split-K adds fp32 partials into the zeroed
+workspace of `w4a16_gemv_words`; the last program of an N block writes bf16 and re-zeroes it.
 
 Every memory access is inline PTX on tensors of one value per thread, so Triton never changes their layout: the
 lane that computes a value is the lane the mma reads it from. CUDA only (sm_90: `mul.rn.bf16x2`).
@@ -88,6 +89,9 @@ mov.b32 $2, 0;
 mov.b32 $3, 0;
 @p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];
 }""")
+LOAD4_L2_128 = tl.constexpr("ld.global.nc.L2::128B.v4.b32 {$0, $1, $2, $3}, [$4];")
+LOAD4_L2_256 = tl.constexpr("ld.global.nc.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];")
+# Weight loads that ask L2 to fetch the 128 / 256 aligned bytes around them from DRAM (a quad reads 64 per row).
 LOAD_U16 = tl.constexpr("ld.global.nc.u16 $0, [$1];")
 RED = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; mov.b32 $0, 0; @p red.global.add.f32 [$2], $1; }")
 LOAD_CG = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0f00000000; @p ld.global.cg.f32 $0, [$1]; }")
@@ -146,11 +150,23 @@ def _tile_chunk(w, sc, x, acc, TWO_B: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(q_addr, s_addr, q_row_bytes, s_row_bytes, ones):
+def _load_words(addr, ones, L2_FETCH: tl.constexpr):
+    if L2_FETCH == 256:
+        return tl.inline_asm_elementwise(LOAD4_L2_256, "=r,=r,=r,=r,l", [addr],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    elif L2_FETCH == 128:
+        return tl.inline_asm_elementwise(LOAD4_L2_128, "=r,=r,=r,=r,l", [addr],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        return _load4(addr, ones)
+
+
+@triton.jit
+def _load_tile(q_addr, s_addr, q_row_bytes, s_row_bytes, ones, L2_FETCH: tl.constexpr):
     """A tile's chunk at byte addresses q_addr (row g's 4 words) and s_addr (its 2 scales); row g + 8 is 8 rows on
     -> (8 words, 4 scale pairs)."""
-    a0, a1, a2, a3 = _load4(q_addr, ones)
-    b0, b1, b2, b3 = _load4(q_addr + 8 * q_row_bytes, ones)
+    a0, a1, a2, a3 = _load_words(q_addr, ones, L2_FETCH)
+    b0, b1, b2, b3 = _load_words(q_addr + 8 * q_row_bytes, ones, L2_FETCH)
     sa0, sa1 = _load_scales(s_addr)
     sb0, sb1 = _load_scales(s_addr + 8 * s_row_bytes)
     return (a0, a1, a2, a3, b0, b1, b2, b3), (sa0, sa1, sb0, sb1)
@@ -198,7 +214,8 @@ def _tile_out(acc, rows, t, out_addr, work_addr, M, N, stride_om, scale, LAST: t
 @triton.jit(do_not_specialize=["CHUNKS_PER_SPLIT", "SPLIT_K"])
 def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, count_ptr, M, N, K, stride_xm,
                      stride_om, CHUNKS_PER_SPLIT, SPLIT_K, TILES: tl.constexpr, WARPS: tl.constexpr,
-                     TWO_B: tl.constexpr, ATOMIC: tl.constexpr, L2_AHEAD: tl.constexpr):
+                     TWO_B: tl.constexpr, ATOMIC: tl.constexpr, L2_AHEAD: tl.constexpr,
+                     L2_FETCH: tl.constexpr):
     T: tl.constexpr = 32 * WARPS
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     lane = tl.arange(0, T)                                             # [T]: one value per thread, lane order
@@ -224,10 +241,10 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
     zero = tl.zeros((T,), tl.float32)
     acc_a = (zero, zero, zero, zero, zero, zero, zero, zero)
     acc_b = (zero, zero, zero, zero, zero, zero, zero, zero)
-    wa, sca = _load_tile(qa, sa, q_row, s_row, ones)
+    wa, sca = _load_tile(qa, sa, q_row, s_row, ones, L2_FETCH)
     wb, scb = wa, sca
     if TILES == 2:
-        wb, scb = _load_tile(qb, sb, q_row, s_row, ones)
+        wb, scb = _load_tile(qb, sb, q_row, s_row, ones, L2_FETCH)
     for c in range(c_lo, c_hi):
         if L2_AHEAD > 0:                                               # chunk c + L2_AHEAD into L2 (the last one)
             ahead = (tl.minimum(c + L2_AHEAD, c_hi - 1) - c).to(tl.int64) * 64
@@ -241,12 +258,12 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
         step = (c + 1 < c_hi).to(tl.int64)                            # prefetch the next chunk (the last re-reads)
         qa += 64 * step
         sa += 8 * step
-        wa_n, sca_n = _load_tile(qa, sa, q_row, s_row, ones)
+        wa_n, sca_n = _load_tile(qa, sa, q_row, s_row, ones, L2_FETCH)
         wb_n, scb_n = wa_n, sca_n
         if TILES == 2:
             qb += 64 * step
             sb += 8 * step
-            wb_n, scb_n = _load_tile(qb, sb, q_row, s_row, ones)
+            wb_n, scb_n = _load_tile(qb, sb, q_row, s_row, ones, L2_FETCH)
         x1 = _load_x(xa, ok1)
         if TWO_B:
             x = x1 + _load_x(xa + 16 * stride_xm, ok2)
@@ -273,7 +290,7 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
 
 
 def gemv_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, tiles: int = 2,
-             warps: int = 4, split_k: int = 1, l2_ahead: int = 0) -> Tensor:
+             warps: int = 4, split_k: int = 1, l2_ahead: int = 0, l2_fetch: int = 0) -> Tensor:
     """x [M, K] (M <= 16, bf16, unit stride along K, K % 128 == 0) @ NVFP4 [N, K]^T -> bf16 [M, N] (N >= 16).
     Arguments checked by w4a16_gemv; CUDA sm_90 only."""
     m, k = x.shape
@@ -295,6 +312,5 @@ def gemv_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Te
     _gemv_mma_kernel[(blocks, split)](x, packed, weight_scale.view(torch.uint8), weight_scale_2.float().reshape(1),
                                       out, work, count, m, n, k, x.stride(0), out.stride(0), per_split, split,
                                       TILES=tiles, WARPS=warps, TWO_B=m > 8, ATOMIC=split > 1, L2_AHEAD=l2_ahead,
-                                      num_warps=warps,
-                                      num_stages=1)
+                                      L2_FETCH=l2_fetch, num_warps=warps, num_stages=1)
     return out

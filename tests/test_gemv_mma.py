@@ -60,12 +60,14 @@ def test_pair_x_matches_the_decode_order():
     assert got == [halves[i] | halves[i + 4] << 16 for i in range(4)]
 
 
-@pytest.mark.parametrize("m,n,k,split", [(1, 96, 512, 1), (7, 64, 1024, 4), (9, 4096, 256, 1), (16, 160, 384, 2)])
-def test_mma_kernel_compiles_without_shared_memory(m, n, k, split):
+@pytest.mark.parametrize("m,n,k,split,fetch", [(1, 96, 512, 1, 0), (7, 64, 1024, 4, 128), (9, 4096, 256, 1, 256),
+                                               (16, 160, 384, 2, 0)])
+def test_mma_kernel_compiles_without_shared_memory(m, n, k, split, fetch):
     x, packed = torch.randn(m, k).bfloat16(), torch.zeros(n, k // 2, dtype=torch.uint8)
     scale = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
     (fn, args, kw), = sass_loop.record_launches(mma, ("_gemv_mma_kernel",),
-                                                lambda: mma.gemv_mma(x, packed, scale, torch.ones(()), split_k=split))
+                                                lambda: mma.gemv_mma(x, packed, scale, torch.ones(()), split_k=split,
+                                                                     l2_fetch=fetch))
     assert kw["TWO_B"] == (m > 8) and kw["ATOMIC"] == (split > 1)
     kernel = sass_loop.compile_sm90(fn, args, kw)
     assert kernel.metadata.shared <= 16                               # split-K: the counter's broadcast only
@@ -78,7 +80,9 @@ def test_configs_and_bad_shapes():
     cfg = g.mma_config(151936, 4096)
     assert cfg.mma and cfg.split_k == 1 and cfg.block_n == 128 and cfg.l2_ahead == 0
     lm_head = g.default_gemv_config(1, 151936, 4096, mma_ok=True)
-    assert (lm_head.block_n, lm_head.num_warps, lm_head.split_k, lm_head.l2_ahead) == (256, 8, 2, 2)
+    assert (lm_head.block_n, lm_head.num_warps, lm_head.split_k, lm_head.l2_fetch) == (64, 4, 1, 128)
+    lm_head = g.default_gemv_config(8, 151936, 4096, mma_ok=True)
+    assert (lm_head.block_n, lm_head.num_warps, lm_head.split_k, lm_head.l2_fetch) == (256, 8, 2, 128)
     assert g.mma_config(4096, 20480).split_k == 16 and g.mma_config(1024, 256).split_k == 2   # 8 warps per SM
     assert g.default_gemv_config(7, 4096, 4096, mma_ok=True).mma
     assert not g.default_gemv_config(7, 4096, 4096).mma and not g.default_gemv_config(7, 4096, 4100, mma_ok=True).mma

@@ -47,7 +47,8 @@ def test_mma_vs_fp64(m, n, k):
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
     ref = x.double() @ nvfp4.dequantize(packed, scale, scale_2, torch.float64).T
     outs = [w4a16_gemv(x, packed, scale, scale_2, cfg) for cfg in
-            (mma_config(n, k), _cfg(1, 4, 1), _cfg(2, 8, 2), _cfg(1, 2, 16), mma_config(n, k, 1, 8, 16, l2_ahead=2))]
+            (mma_config(n, k), _cfg(1, 4, 1), _cfg(2, 8, 2), _cfg(1, 2, 16), mma_config(n, k, 1, 8, 16, l2_ahead=2),
+             mma_config(n, k, 2, 4, 8, l2_fetch=128), mma_config(n, k, 1, 4, 8, l2_fetch=256))]
     for got in outs:
         assert ((got.double() - ref).norm() / ref.norm()).item() <= 1e-2
     prmt = w4a16_gemv(x, packed, scale, scale_2, GemvConfig(64, 128, 1, True, num_warps=4, join=False, prmt=True))
