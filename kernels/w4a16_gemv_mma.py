@@ -134,19 +134,42 @@ def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 @triton.jit
-def _tile_chunk(w, sc, x, acc, TWO_B: tl.constexpr):
-    """One 16-row tile, one chunk: w = 8 words (row g: 0..3, row g + 8: 4..7), sc = scale pairs (row g: 0, 1;
-    row g + 8: 2, 3; a pair per two words), x = B pairs (16 per B: 4 per word), acc = 4 or 8 fp32 -> acc."""
+def _decode_word(qa, qb, sa, sb):
+    """One word column of rows g (qa) and g + 8 (qb) with their scale pairs -> the A registers of its two mmas."""
+    a04, a15, a26, a37 = _decode(qa, sa)
+    b04, b15, b26, b37 = _decode(qb, sb)
+    return a04, b04, a15, b15, a26, b26, a37, b37
+
+
+@triton.jit
+def _decode_tile(w, sc):
+    """A 16-row tile's chunk: w = 8 words (row g: 0..3, row g + 8: 4..7), sc = scale pairs (row g: 0, 1; row g + 8:
+    2, 3; a pair per two words) -> per word the 8 A registers of its two mmas."""
+    return (_decode_word(w[0], w[4], sc[0], sc[2]), _decode_word(w[1], w[5], sc[0], sc[2]),
+            _decode_word(w[2], w[6], sc[1], sc[3]), _decode_word(w[3], w[7], sc[1], sc[3]))
+
+
+@triton.jit
+def _mma_tile(A, x, acc, TWO_B: tl.constexpr):
+    """The decoded tile A times x = B pairs (16 per 8 rows of x: 4 per word), acc = 8 fp32 (4 used without TWO_B)."""
     c0, c1, c2, c3, c4, c5, c6, c7 = acc
     for i in tl.static_range(4):
-        a04, a15, a26, a37 = _decode(w[i], sc[i // 2])
-        b04, b15, b26, b37 = _decode(w[4 + i], sc[2 + i // 2])
-        c0, c1, c2, c3 = _mma(a04, b04, a15, b15, x[4 * i], x[4 * i + 1], c0, c1, c2, c3)
-        c0, c1, c2, c3 = _mma(a26, b26, a37, b37, x[4 * i + 2], x[4 * i + 3], c0, c1, c2, c3)
+        a = A[i]
+        c0, c1, c2, c3 = _mma(a[0], a[1], a[2], a[3], x[4 * i], x[4 * i + 1], c0, c1, c2, c3)
+        c0, c1, c2, c3 = _mma(a[4], a[5], a[6], a[7], x[4 * i + 2], x[4 * i + 3], c0, c1, c2, c3)
         if TWO_B:
-            c4, c5, c6, c7 = _mma(a04, b04, a15, b15, x[16 + 4 * i], x[17 + 4 * i], c4, c5, c6, c7)
-            c4, c5, c6, c7 = _mma(a26, b26, a37, b37, x[18 + 4 * i], x[19 + 4 * i], c4, c5, c6, c7)
+            c4, c5, c6, c7 = _mma(a[0], a[1], a[2], a[3], x[16 + 4 * i], x[17 + 4 * i], c4, c5, c6, c7)
+            c4, c5, c6, c7 = _mma(a[4], a[5], a[6], a[7], x[18 + 4 * i], x[19 + 4 * i], c4, c5, c6, c7)
     return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _x_block(xa, stride_xm, g, M, TWO_B: tl.constexpr):
+    """B pairs of x rows g (and 8 + g with TWO_B) for this lane's chunk; rows past M read as zeros."""
+    x = _load_x(xa, (g < M).to(tl.int32))
+    if TWO_B:
+        x = x + _load_x(xa + 16 * stride_xm, (g + 8 < M).to(tl.int32))
+    return x
 
 
 @triton.jit
@@ -211,6 +234,14 @@ def _tile_out(acc, rows, t, out_addr, work_addr, M, N, stride_om, scale, LAST: t
             tl.inline_asm_elementwise(STORE_ZERO, "=r,l,r", [w_addr, ok], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, LAST: tl.constexpr, ATOMIC: tl.constexpr,
+               TWO_B: tl.constexpr, TILES: tl.constexpr):
+    _tile_out(acc_a, rows, t, o0, w0, M, N, stride_om, scale, LAST, ATOMIC, TWO_B)
+    if TILES == 2:
+        _tile_out(acc_b, rows + 16, t, o0, w0, M, N, stride_om, scale, LAST, ATOMIC, TWO_B)
+
+
 @triton.jit(do_not_specialize=["CHUNKS_PER_SPLIT", "SPLIT_K"])
 def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, count_ptr, M, N, K, stride_xm,
                      stride_om, CHUNKS_PER_SPLIT, SPLIT_K, TILES: tl.constexpr, WARPS: tl.constexpr,
@@ -236,8 +267,6 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
     sb = s0 + rb * s_row + 2 * t + 8 * c_lo
     xa = x_ptr.to(tl.int64, bitcast=True) + (g.to(tl.int64) * stride_xm + 128 * c_lo + 32 * t) * 2
     ones = tl.full((T,), 1, tl.int32)
-    ok1 = (g < M).to(tl.int32)
-    ok2 = (g + 8 < M).to(tl.int32)
     zero = tl.zeros((T,), tl.float32)
     acc_a = (zero, zero, zero, zero, zero, zero, zero, zero)
     acc_b = (zero, zero, zero, zero, zero, zero, zero, zero)
@@ -264,28 +293,20 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
             qb += 64 * step
             sb += 8 * step
             wb_n, scb_n = _load_tile(qb, sb, q_row, s_row, ones, L2_FETCH)
-        x1 = _load_x(xa, ok1)
-        if TWO_B:
-            x = x1 + _load_x(xa + 16 * stride_xm, ok2)
-        else:
-            x = x1
+        x = _x_block(xa, stride_xm, g, M, TWO_B)
+        acc_a = _mma_tile(_decode_tile(wa, sca), x, acc_a, TWO_B)
+        if TILES == 2:                                                 # the same x, a second weight tile
+            acc_b = _mma_tile(_decode_tile(wb, scb), x, acc_b, TWO_B)
         xa += 256
-        acc_a = _tile_chunk(wa, sca, x, acc_a, TWO_B)
-        if TILES == 2:
-            acc_b = _tile_chunk(wb, scb, x, acc_b, TWO_B)
         wa, sca, wb, scb = wa_n, sca_n, wb_n, scb_n
     scale = tl.load(scale_2_ptr) * 4.611686018427388e18                # 2**62 undoes 2**-126 * 2**64
     o0 = out_ptr.to(tl.int64, bitcast=True)
     w0 = work_ptr.to(tl.int64, bitcast=True)
-    _tile_out(acc_a, rows, t, o0, w0, M, N, stride_om, scale, False, ATOMIC, TWO_B)
-    if TILES == 2:
-        _tile_out(acc_b, rows + 16, t, o0, w0, M, N, stride_om, scale, False, ATOMIC, TWO_B)
+    _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, False, ATOMIC, TWO_B, TILES)
     if ATOMIC:
         tl.debug_barrier()                                             # this program's partials all issued
         if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:   # the block's last split
-            _tile_out(acc_a, rows, t, o0, w0, M, N, stride_om, scale, True, ATOMIC, TWO_B)
-            if TILES == 2:
-                _tile_out(acc_b, rows + 16, t, o0, w0, M, N, stride_om, scale, True, ATOMIC, TWO_B)
+            _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, True, ATOMIC, TWO_B, TILES)
             tl.store(count_ptr + pid_n, 0)
 
 
@@ -301,6 +322,8 @@ def gemv_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Te
         packed = packed.clone(memory_format=torch.contiguous_format)
     if weight_scale.data_ptr() % 2 or not weight_scale.is_contiguous():
         weight_scale = weight_scale.clone(memory_format=torch.contiguous_format)
+    if m > 16:
+        raise ValueError(f"the mma GEMV takes M <= 16 rows of x, got {m}")
     out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
     if m == 0:
         return out

@@ -65,14 +65,14 @@ def test_pair_x_matches_the_decode_order():
 def test_mma_kernel_compiles_without_shared_memory(m, n, k, split, fetch):
     x, packed = torch.randn(m, k).bfloat16(), torch.zeros(n, k // 2, dtype=torch.uint8)
     scale = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
-    (fn, args, kw), = sass_loop.record_launches(mma, ("_gemv_mma_kernel",),
-                                                lambda: mma.gemv_mma(x, packed, scale, torch.ones(()), split_k=split,
-                                                                     l2_fetch=fetch))
+    (fn, args, kw), = sass_loop.record_launches(mma, ("_gemv_mma_kernel",), lambda: mma.gemv_mma(
+        x, packed, scale, torch.ones(()), split_k=split, l2_fetch=fetch))
     assert kw["TWO_B"] == (m > 8) and kw["ATOMIC"] == (split > 1)
     kernel = sass_loop.compile_sm90(fn, args, kw)
     assert kernel.metadata.shared <= 16                               # split-K: the counter's broadcast only
     prof = sass_loop.profile("mma", kernel, 16 * 16 * kw["TILES"] * kw["WARPS"], kw["WARPS"])
-    assert prof.by_class["mma"] == 8 * kw["TILES"] * (2 if m > 8 else 1)      # per chunk: 2 per word column
+    want = 8 * kw["TILES"] * (2 if m > 8 else 1)                         # per chunk: 2 per word column and B
+    assert kernel.asm["sass"].count("HMMA") == want and prof.by_class["mma"] >= want - 1   # (one may sit at the top)
     assert prof.by_class["shared"] == 0 and prof.per_word < 32
 
 
@@ -87,6 +87,9 @@ def test_configs_and_bad_shapes():
     assert g.default_gemv_config(7, 4096, 4096, mma_ok=True).mma
     assert not g.default_gemv_config(7, 4096, 4096).mma and not g.default_gemv_config(7, 4096, 4100, mma_ok=True).mma
     assert not g.default_gemv_config(17, 4096, 4096, mma_ok=True).mma
+    with pytest.raises(ValueError, match="M <= 16"):
+        mma.gemv_mma(torch.randn(17, 256).bfloat16(), torch.zeros(64, 128, dtype=torch.uint8),
+                     torch.ones(64, 16).to(torch.float8_e4m3fn), torch.ones(()))
     x = torch.randn(3, 256).bfloat16()
     packed, scale = torch.zeros(64, 128, dtype=torch.uint8), torch.ones(64, 16).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="sm_90"):
