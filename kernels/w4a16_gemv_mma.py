@@ -58,22 +58,13 @@ prmt.b32 $3, $5, $7, 0x7632;
 }""")
 # In: 8 bf16 of x (K 0..7 of a word) as 4 registers. Out: the B pairs (0, 4), (1, 5), (2, 6), (3, 7).
 
-SCALES = tl.constexpr("""{
-.reg .b32 a;
-.reg .f32 f;
-shl.b32 a, $2, 20;
+SCALES = tl.constexpr("{\n.reg .b32 a;\n.reg .f32 f;\n" + "".join(f"""shl.b32 a, $2, {shift};
 and.b32 a, a, 0x07F00000;
 mov.b32 f, a;
 mul.rn.f32 f, f, 0f7B800000;
 mul.rn.f32 f, f, 0f5F800000;
-cvt.rn.bf16x2.f32 $0, f, f;
-shl.b32 a, $2, 12;
-and.b32 a, a, 0x07F00000;
-mov.b32 f, a;
-mul.rn.f32 f, f, 0f7B800000;
-mul.rn.f32 f, f, 0f5F800000;
-cvt.rn.bf16x2.f32 $1, f, f;
-}""")
+cvt.rn.bf16x2.f32 {out}, f, f;
+""" for shift, out in ((20, "$0"), (12, "$1"))) + "}")
 # In: two fp8 e4m3 scales (low, high byte; sign ignored: scales are >= 0). Out: each as bf16x2 (s * 2**64, twice):
 # bits << 20 read as fp32 are s * 2**-120, exact also for subnormal s.
 

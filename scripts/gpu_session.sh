@@ -27,6 +27,13 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 DC=/tmp/dc GGUF=/tmp/dc/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf T=/tmp/dc/qwen2.5-coder-0.5b-instruct
 SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 cli() { python3 -m dspark_serve.cluster.cli "$@"; }
+step_ab() {  # bench_step with the dispatch switch DSPARK_$1 off, then on; logs and JSON named after $2
+    for p in 0 1; do
+        env "DSPARK_$1=$p" timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_$2$p.json" 2>&1 \
+            | grep -v Warn > "$OUT/bench_step_$2$p.log"
+        echo "DSPARK_$1=$p"; grep -A6 "==" "$OUT/bench_step_$2$p.log"
+    done
+}
 case ${1:?phase} in
 stage) mkdir -p $DC && cat .stage/c"$2"/part* >> $GGUF && ls -l $GGUF ;;
 prep)
@@ -118,11 +125,7 @@ gemv)  # random weights: NVFP4 GPU tests, the GEMV sweep with the inline-PTX dec
     timeout 120 python3 -P -m pytest -q -rf tests/gpu/test_nvfp4_gpu.py > "$OUT/nvfp4_tests.log" 2>&1
     timeout 330 python3 bench/bench_nvfp4.py --gemv --sweep --out "$OUT/bench_gemv.json" 2>&1 \
         | tee "$OUT/bench_gemv.log" | tail -43
-    for p in 0 1; do
-        DSPARK_GEMV_PRMT=$p timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_prmt$p.json" 2>&1 \
-            | grep -v Warn > "$OUT/bench_step_prmt$p.log"
-        echo "DSPARK_GEMV_PRMT=$p"; grep -A6 "==" "$OUT/bench_step_prmt$p.log"
-    done
+    step_ab GEMV_PRMT prmt
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
         2>&1 | tee "$OUT/bench_gpu.log" | tail -14
     tail -4 "$OUT/nvfp4_tests.log" ;;
@@ -151,15 +154,10 @@ pdl)  # random weights: PDL and the GEMV fusions, tests then the 8B step with ea
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
         2>&1 | tee "$OUT/bench_gpu.log" | tail -10 ;;
 mma)  # random weights: the mma GEMV's tests and M <= 16 sweep, the draft step without / with it, P1-P3
-    timeout 150 python3 -P -m pytest -q -rf -x tests/gpu/test_gemv_mma_gpu.py > "$OUT/mma_tests.log" 2>&1
-    tail -5 "$OUT/mma_tests.log"
+    timeout 150 python3 -P -m pytest -q -rf -x tests/gpu/test_gemv_mma_gpu.py 2>&1 | tail -5   # 8 files come back
     timeout 240 python3 bench/bench_nvfp4.py --gemv --sweep --ms 1 7 8 16 --out "$OUT/bench_gemv.json" 2>&1 \
         | tee "$OUT/bench_gemv.log" | grep -v "^skip" | tail -26
-    for p in 0 1; do
-        DSPARK_GEMV_MMA=$p timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_mma$p.json" 2>&1 \
-            | grep -v Warn > "$OUT/bench_step_mma$p.log"
-        echo "DSPARK_GEMV_MMA=$p"; grep -A6 "==" "$OUT/bench_step_mma$p.log"
-    done
+    step_ab GEMV_MMA mma
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
         2>&1 | tee "$OUT/bench_gpu.log" | tail -10 ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
