@@ -28,6 +28,15 @@ GEMV_MMA = os.environ.get("DSPARK_GEMV_MMA", "1") == "1"
 DENSE_GEMV = os.environ.get("DSPARK_DENSE_GEMV", "1") == "1"
 # Up to this many rows (<= 16) take it; 8-row verify measured no faster through it than through cuBLAS
 DENSE_GEMV_ROWS = int(os.environ.get("DSPARK_DENSE_GEMV_ROWS", "1"))
+# Rows of bf16 activations from DENSE_MMA_MIN_ROWS to 16 (verify's 1 + 7, batch-8 decode) take the register-fed mma
+# GEMV of gemv_bf16_mma.py on sm_90 (K % 32 == 0, N % 16 == 0), gate/up with its SwiGLU epilogue, instead of cuBLAS
+# (8B verify 1 + 7 on an H200: 4.65 instead of 5.16 ms; plain batch 8: 4.80 instead of 5.30 ms, bench/RESULTS.md);
+# DSPARK_DENSE_MMA=0 turns it off
+DENSE_MMA = os.environ.get("DSPARK_DENSE_MMA", "1") == "1"
+DENSE_MMA_MIN_ROWS = int(os.environ.get("DSPARK_DENSE_MMA_MIN_ROWS", "2"))
+# The target's lm_head takes `linear` (the GEMVs above) instead of cuBLAS (8B lm_head alone: 278 / 285 instead of
+# 296 / 299 us at 1 / 8 rows); DSPARK_LM_HEAD_GEMV=0 turns it off
+LM_HEAD_GEMV = os.environ.get("DSPARK_LM_HEAD_GEMV", "1") == "1"
 # That GEMV computes SwiGLU in the gate/up projection's epilogue (no silu_mul launch); DSPARK_GEMV_SWIGLU=0 turns
 # it off
 GEMV_SWIGLU = os.environ.get("DSPARK_GEMV_SWIGLU", "1") == "1"

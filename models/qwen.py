@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from dspark_serve.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from dspark_serve.kernels import dispatch
 from dspark_serve.kernels.dispatch import use_triton
 
 from .config import ModelConfig
@@ -135,5 +136,8 @@ class QwenForCausalLM(nn.Module):
             layer.fuse()
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[T, hidden] -> [T, vocab] fp32."""
+        """[T, hidden] -> [T, vocab] fp32 (with dispatch.LM_HEAD_GEMV, decode rows through the Triton GEMVs)."""
+        if dispatch.LM_HEAD_GEMV and hidden.is_cuda:
+            from dspark_serve.kernels.gemv_bf16 import linear
+            return linear(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()

@@ -19,6 +19,8 @@
 #   dense     random weights only: the target's dense GEMV (tests, sweep vs cuBLAS), bench_gpu without / with it
 #   mma       random weights only: the register-fed mma GEMV (tests, the M <= 16 sweep), bench_step with
 #             DSPARK_GEMV_MMA=0 and 1, bench_gpu at the 8B shapes (P3)
+#   vmma      random weights only: the dense mma GEMV for verify rows (tests, the sweep against cuBLAS at M = 1, 8, 16)
+#   vmma2     random weights only: bench_gpu's 8B rows with DENSE_MMA off / on (+ lm_head), bench_step A/B
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -160,5 +162,15 @@ mma)  # random weights: the mma GEMV's tests and M <= 16 sweep, the draft step w
     step_ab GEMV_MMA mma
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
         2>&1 | tee "$OUT/bench_gpu.log" | tail -10 ;;
+vmma)  # random weights: the dense mma GEMV's GPU tests (+ engine, graphs), its sweep against cuBLAS
+    timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_gemv_bf16_mma_gpu.py tests/gpu/test_engine_gpu.py \
+        tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_dense_gemv_gpu.py 2>&1 | tail -6
+    timeout 330 python3 bench/bench_dense_gemv.py --mma-sweep --ms 1 8 16 --json "$OUT/bench_dense_mma.json" 2>&1 \
+        | grep -v Warn | tee "$OUT/bench_dense_mma.log" ;;
+vmma2)  # random weights: P1/P2 with the dense mma GEMV off / on, then the demo-shape step A/B
+    timeout 330 python3 bench/bench_gpu.py --models 8b --batch 1 8 --iters 20 --no-draft --repeat 2 --dispatch \
+        DENSE_MMA=0 DENSE_MMA=1 DENSE_MMA=1,LM_HEAD_GEMV=1 \
+        --json "$OUT/bench_gpu_vmma.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_vmma.log" | grep -A30 "^model graphs"
+    step_ab DENSE_MMA vmma ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

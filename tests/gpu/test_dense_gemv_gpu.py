@@ -49,6 +49,7 @@ def test_fused_mlp_and_o_proj_take_it(monkeypatch):
                       tie_word_embeddings=False, dtype=torch.bfloat16)
     attn = AttentionProjections(cfg).to(DEV, torch.bfloat16)
     o = torch.randn(7, 512, device=DEV).bfloat16()
+    monkeypatch.setattr(dispatch, "DENSE_MMA", False)                   # (7 rows would take the mma GEMV)
     monkeypatch.setattr(dispatch, "DENSE_GEMV", False)
     mlp_off, o_off = mlp.forward_fused(x), attn.output(o)
     monkeypatch.setattr(dispatch, "DENSE_GEMV", True)
