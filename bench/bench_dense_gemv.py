@@ -33,14 +33,16 @@ def sweep(m: int) -> list[DenseGemvConfig]:
     return [DenseGemvConfig(bn, bk, w, st) for bn, bk, w, st in tiles]
 
 
-def close(got: torch.Tensor, ref: torch.Tensor) -> bool:
+def close(got: torch.Tensor, ref: torch.Tensor, of_max: float = 1e-3) -> bool:
+    """Within 2**-7 of each value plus of_max of the largest (SwiGLU: one bf16 ulp of gate or up, times the other,
+    can exceed 1e-3 of the largest output)."""
     return bool(((got.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs()
-                 + 1e-3 * ref.float().abs().max()).all())
+                 + of_max * ref.float().abs().max()).all())
 
 
 def mma_sweep(k: int) -> list[MmaDenseConfig]:
     tiles = ((1, 8, 4, 0), (2, 2, 4, 0), (2, 4, 4, 0), (2, 8, 4, 0), (2, 4, 4, 128), (4, 2, 2, 0), (4, 4, 2, 0),
-             (4, 8, 2, 0), (4, 4, 2, 128), (2, 8, 2, 128), (4, 4, 1, 0))                # tiles, warps, vec, l2
+             (4, 8, 2, 0), (4, 4, 2, 128), (2, 8, 2, 128), (1, 1, 4, 128))              # tiles, warps, vec, l2
     cfgs = [MmaDenseConfig(*t) for t in tiles]
     return [c for c in cfgs if k % (32 * c.vec) == 0]
 
@@ -88,9 +90,8 @@ def bench_shape(model: str, name: str, n: int, k: int, copy_gbs: float, do_sweep
             line += (f" | mma {mma_us:7.2f} ({row['mma_pct_copy']:5.1f}%, x{cublas_us / mma_us:4.2f} cuBLAS) best "
                      f"{mb_us:7.2f} [{mb.tiles}, {mb.warps}, {mb.vec}, {mb.l2_fetch}]")
         if name == "gate_up" and mma:                                    # SwiGLU epilogue vs cuBLAS + silu_mul
-            want = silu_mul(ref)
-            fused = gemv_mma_dense(x, ws[0], swiglu=True)
-            if close(fused, want):
+            fused = gemv_mma_dense(x, ws[0], swiglu=True)                # bit for bit silu_mul of its own GEMV
+            if torch.equal(fused, silu_mul(gemv_mma_dense(x, ws[0]))) and close(fused, silu_mul(ref), 2 ** -5):
                 row["mma_swiglu_us"] = graph_time_us([lambda w=w: gemv_mma_dense(x, w, swiglu=True) for w in ws])
                 row["cublas_silu_us"] = graph_time_us([lambda w=w: silu_mul(F.linear(x, w)) for w in ws])
                 line += f" | swiglu mma {row['mma_swiglu_us']:7.2f} vs cuBLAS+silu {row['cublas_silu_us']:7.2f}"

@@ -181,28 +181,30 @@ def bench_draft(name: str, batches: list[int], context: int, device: str, dtype:
     return rows
 
 
-def kernel_table(name: str, context: int, device: str, dtype: torch.dtype, top: int, steps: int = 20) -> list[dict]:
-    """Device time per kernel of the plain batch-1 step (torch.profiler over graph replays; on CPU, self time per
-    op) -> rows, printed."""
+def kernel_table(name: str, context: int, device: str, dtype: torch.dtype, top: int, steps: int = 20,
+                 tokens: int = 1) -> list[dict]:
+    """Device time per kernel of the batch-1 target step over `tokens` new tokens (1: plain, 8: verify 1 + 7;
+    torch.profiler over graph replays; on CPU, self time per op) -> rows, printed."""
     model = random_module(lambda: QwenForCausalLM(target_config(name, dtype)), device, dtype).eval()
     side = TargetSide(model, -(-(context + 16) // BLOCK) + 1, BLOCK)
     side.use_static_shapes((1,), max_model_len=context + 64)
     reqs = requests(1, context, 7)
     reqs[0].target_blocks = side.allocator.allocate(context + 16)
     for _ in range(3):
-        side.run(reqs, [[5]], last_only=False)
+        side.run(reqs, [[5] * tokens], last_only=False)
     sync(device)
     cuda = device.startswith("cuda")
     acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
-            side.run(reqs, [[5]], last_only=False)
+            side.run(reqs, [[5] * tokens], last_only=False)
         sync(device)
     key = "device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))
     rows = [{"kernel": e.key, "us_per_step": getattr(e, key) / steps, "calls_per_step": e.count / steps}
             for e in events]
-    print(f"{name} plain step, batch 1: {sum(r['us_per_step'] for r in rows):.1f} us per step in all")
+    step = "plain" if tokens == 1 else f"{tokens}-token"
+    print(f"{name} {step} step, batch 1: {sum(r['us_per_step'] for r in rows):.1f} us per step in all")
     for r in rows[:top]:
         print(f"{r['us_per_step']:9.1f} us/step {r['calls_per_step']:6.1f} calls/step  {r['kernel'][:90]}")
     del model
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-draft", action="store_true", help="skip the draft block rows")
     ap.add_argument("--kernels", type=int, default=0, metavar="N",
                     help="also profile the plain batch-1 step per kernel and print the N costliest")
+    ap.add_argument("--kernels-tokens", type=int, nargs="+", default=[1], metavar="Q",
+                    help="the profiled steps' new tokens (8: verify 1 + 7)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -254,8 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['model']:>5} {r['format']:>5} {r['topk']:>4} {str(r['graphs']):>6} {r['batch']:>5} "
               f"{r['draft_ms']:>9.3f} {ratio:>12}")
     if args.kernels:
-        result["kernels"] = {name: kernel_table(name, args.context, args.device, dtype, args.kernels)
-                             for name in args.models}
+        result["kernels"] = {name if q == 1 else f"{name} q{q}":
+                             kernel_table(name, args.context, args.device, dtype, args.kernels, tokens=q)
+                             for name in args.models for q in args.kernels_tokens}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

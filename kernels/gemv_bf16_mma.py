@@ -220,8 +220,7 @@ def _gemv_mma_dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, I, stride_xm, 
         acc = acc + ((zero, zero, zero, zero),)
     acc8 = acc                                                         # x rows 8..15
     ok = (c0 < chunks).to(tl.int32)
-    off = tl.zeros((T,), tl.int64)
-    w = _chunk(rows, off, row_b, ok, EVEN, L2_FETCH, VEC, TILES)       # the first chunk, before the wait
+    w = _chunk(rows, 0, row_b, ok, EVEN, L2_FETCH, VEC, TILES)         # the first chunk, before the wait
     pdl_wait(PDL)
     x_lo_ok = (g < M).to(tl.int32)
     x_hi_ok = (g + 8 < M).to(tl.int32)
@@ -230,8 +229,9 @@ def _gemv_mma_dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, I, stride_xm, 
     if TWO_B:
         x8 = _x_words(xa + 16 * stride_xm, x_hi_ok & ok, VEC)
     for i in range(per):                                               # load chunk i + 1, multiply chunk i
-        off += (i + 1 < per).to(tl.int64) * (CK * 2)                   # (the last re-reads chunk i)
-        nxt = (c0 + tl.minimum(i + 1, per - 1) < chunks).to(tl.int32)
+        ahead = tl.minimum(i + 1, per - 1)                             # (past the slice: its last chunk again)
+        off = ahead.to(tl.int64) * (CK * 2)
+        nxt = (c0 + ahead < chunks).to(tl.int32)
         w_n = _chunk(rows, off, row_b, nxt, EVEN, L2_FETCH, VEC, TILES)
         x_n = _x_words(xa + off, x_lo_ok & nxt, VEC)
         x8_n = x_n
