@@ -153,6 +153,9 @@ def gemv_sweep(m: int, n: int, k: int) -> list[GemvConfig]:
     mma = [mma_config(n, k, t, w, wps, l2_ahead=ahead, l2_fetch=fetch) for t, w, wps, ahead in (
         (2, 8, 64, 0), (2, 8, 64, 1), (2, 4, 8, 0), (2, 4, 8, 1), (1, 8, 16, 0), (1, 8, 8, 0), (1, 4, 8, 0),
         (1, 8, 4, 0)) for fetch in (0, 128, 256)] if m <= 16 and mma_fits(n, k) else []
+    if mma and k % 256 == 0:   # two chunks per loop step
+        mma += [mma_config(n, k, t, w, wps, l2_fetch=fetch, unroll=2) for t, w, wps in (
+            (2, 8, 64), (2, 4, 8), (1, 8, 16), (1, 8, 8), (1, 4, 8), (1, 8, 4)) for fetch in (0, 128)]
     return words + integer + prmt + mma
 
 
@@ -162,7 +165,8 @@ def gemv_close(got: torch.Tensor, ref: torch.Tensor) -> bool:
                  + 1e-3 * ref.float().abs().max()).all())
 
 
-def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool, ms=(1, 7, 8, 16, 32, 56, 64)) -> list[dict]:
+def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool, ms=(1, 7, 8, 16, 32, 56, 64),
+               mma_only: bool = False) -> list[dict]:
     """w4a16_gemv at M in (1, 7, 8, 16): every config checked vs w4a16_gemm_ref, then timed vs bf16 F.linear."""
     base = nvfp4.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     w_bytes = base[0].numel() + base[1].numel() + 4
@@ -177,7 +181,8 @@ def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool, ms=(1, 7
         q_bytes = w_bytes + 2 * m * k + 2 * m * n             # packed + scales + activation + output
         bf16_us = graph_time_us([lambda w=w: F.linear(x, w) for w in dense])
         dequant_us = graph_time_us([lambda c=c: w4a16_dequant_matmul(x, *c) for c in copies]) if m > 16 else None
-        configs = [default_gemv_config(m, n, k, mma_ok=dispatch.GEMV_MMA)] + (gemv_sweep(m, n, k) if sweep else [])
+        grid = [c for c in gemv_sweep(m, n, k) if c.mma or not mma_only] if sweep else []
+        configs = [default_gemv_config(m, n, k, mma_ok=dispatch.GEMV_MMA)] + grid
         results, failed = [], []
         for cfg in dict.fromkeys(configs):
             try:
@@ -213,6 +218,7 @@ def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool, ms=(1, 7
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sweep", action="store_true", help="also time a grid of GEMM configs per (shape, M)")
+    p.add_argument("--mma-only", action="store_true", help="--gemv --sweep: only the mma kernel's configs")
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
     p.add_argument("--out", default="bench_nvfp4.json")
     p.add_argument("--gemv", action="store_true", help="only the GEMV path (w4a16_gemv), M in --ms")
@@ -221,12 +227,15 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}  device-to-device copy {copy_gbs:.0f} GB/s (read + write bytes)", flush=True)
     if args.gemv:
-        rows = [r for s in args.shapes for r in bench_gemv(s, *SHAPES[s], copy_gbs, args.sweep, args.ms)]
+        rows = [r for s in args.shapes for r in bench_gemv(s, *SHAPES[s], copy_gbs, args.sweep, args.ms, args.mma_only)]
         print("shape, M: default us, % of copy, x vs bf16 | best us, x vs bf16, [block_n, block_k, warps, stages] "
               "prmt/words | M > 16: dequant+cuBLAS us")
         for r in rows:
             c = r["best_config"]
-            kind = "mma" if c.get("mma") else "words" if c["words"] else "prmt" if c["prmt"] else "int"
+            kind = "words" if c["words"] else "prmt" if c["prmt"] else "int"
+            if c.get("mma"):
+                kind = (f"mma split {c['split_k']} l2 {c['l2_fetch']}" + (f" ahead {c['l2_ahead']}" if c["l2_ahead"]
+                        else "") + (f" unroll {c['unroll']}" if c.get("unroll", 1) > 1 else ""))
             deq = f" | {r['dequant_matmul_us']:7.2f}" if r["dequant_matmul_us"] else ""
             print(f"  {r['shape']:8s} M={r['M']:2d} {r['us']:8.2f} {r['pct_copy']:5.1f}% "
                   f"x{r['speedup_vs_bf16']:4.2f} | "

@@ -53,6 +53,7 @@ class GemvConfig:
                           # tiles per warp x num_warps, block_k unused
     l2_ahead: int = 0     # mma kernel: prefetch the weights this many 128-K chunks ahead into L2 (0: off)
     l2_fetch: int = 0     # mma kernel: weight loads ask L2 for 128 or 256 bytes (the L2::128B / 256B hint; 0: none)
+    unroll: int = 1       # mma kernel: 128-K chunks per loop step, all loaded a step ahead (1 or 2; 2: K % 256 == 0)
 
 
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool = False) -> GemvConfig:
@@ -62,12 +63,17 @@ def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool
     the best config of the 2026-12-01 sweep at every shape, 0.88-1.48x bf16, where the integer decode measured
     0.51-0.75x); above 16 rows the sweep's best, one for long K or a vocab-sized N (fc, down, lm_head), one for
     the rest. With mma_ok (an sm_90 device and dispatch.GEMV_MMA), M <= 16 takes the register-fed mma kernel where
-    its shapes allow (K % 128 == 0, N % 16 == 0): 1.0-1.5x the kernels above at the 8B draft shapes (one sweep)."""
+    its shapes allow (K % 128 == 0, N % 16 == 0): 1.0-1.5x the kernels above at the 8B draft shapes (one sweep);
+    two chunks per loop step (unroll) for lm_head at one row and fc, gate/up, down at 2-8 rows (the eleventh
+    session's sweep: 3.6-7.5 % faster)."""
     if mma_ok and m <= 16 and mma_fits(n, k):   # the 2026-12-01 sweeps' best: 8-warp programs up to 8 rows of x;
+        unroll = 2 if k % 256 == 0 else 1       # two 128-K chunks per loop step where they measured faster
         if n >= 65536:                          # a vocab-sized N with the L2::128B hint on its weight loads
             if m == 1:
-                return mma_config(n, k, 1, 4, 8, num_sms, l2_fetch=128)
+                return mma_config(n, k, 1, 4, 8, num_sms, l2_fetch=128, unroll=unroll)
             return mma_config(n, k, 2, 8 if m <= 8 else 4, 64 if m <= 8 else 8, num_sms, l2_fetch=128)
+        if 1 < m <= 8 and n * k >= 1 << 25 and unroll == 2:   # fc, gate/up, down (q/o, k/v: 15 % slower)
+            return mma_config(n, k, 2, 4, 8, num_sms, l2_fetch=128, unroll=2)
         return mma_config(n, k, 1, 8, 16, num_sms) if m <= 8 else mma_config(n, k, 2, 4, 8, num_sms)
     if m == 1:
         return words_config(n, k, 8, 512, 2, num_sms)
@@ -95,14 +101,14 @@ def mma_fits(n: int, k: int) -> bool:
 
 
 def mma_config(n: int, k: int, tiles: int = 2, num_warps: int = 4, warps_per_sm: int = 8, num_sms: int = 132,
-               l2_ahead: int = 0, l2_fetch: int = 0) -> GemvConfig:
-    """An mma-kernel config (tiles of 16 rows per warp) whose split-K (a power of 2, at least one 128-K chunk per
-    split) gives at least `warps_per_sm` warps per SM."""
-    warps, chunks, split = triton.cdiv(n, 16 * tiles), k // CHUNK_K.value, 1
-    while warps * split < warps_per_sm * num_sms and split * 2 <= chunks:
+               l2_ahead: int = 0, l2_fetch: int = 0, unroll: int = 1) -> GemvConfig:
+    """An mma-kernel config (tiles of 16 rows per warp) whose split-K (a power of 2, at least one step of `unroll`
+    128-K chunks per split) gives at least `warps_per_sm` warps per SM."""
+    warps, steps, split = triton.cdiv(n, 16 * tiles), k // CHUNK_K.value // unroll, 1
+    while warps * split < warps_per_sm * num_sms and split * 2 <= steps:
         split *= 2
     return GemvConfig(16 * tiles * num_warps, CHUNK_K.value, split, num_warps=num_warps, mma=True, l2_ahead=l2_ahead,
-                      l2_fetch=l2_fetch)
+                      l2_fetch=l2_fetch, unroll=unroll)
 
 
 def words_config(n: int, k: int, block_n: int, block_k: int, num_warps: int, num_sms: int = 132,
@@ -258,13 +264,14 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
     cfg = config or default_gemv_config(m, n, k, mma_ok=mma_ok)
     if cfg.mma:
         tiles, rest = divmod(cfg.block_n, 16 * cfg.num_warps)
-        if m > 16 or not mma_fits(n, k) or rest or tiles not in (1, 2) or cfg.l2_fetch not in (0, 128, 256):
+        if m > 16 or not mma_fits(n, k) or rest or tiles not in (1, 2) or cfg.l2_fetch not in (0, 128, 256) \
+                or cfg.unroll not in (1, 2) or k % (CHUNK_K.value * cfg.unroll):
             raise ValueError(f"bad GemvConfig {cfg} for M = {m}, [{n}, {k}]: the mma kernel needs M <= 16, "
-                             f"K % 128 == 0, N % 16 == 0 and block_n = 16 x (1 or 2) x num_warps")
+                             f"K % (128 x unroll) == 0, N % 16 == 0 and block_n = 16 x (1 or 2) x num_warps")
         if not (x.is_cuda and _has_bf16x2_mul(x.device)):
             raise ValueError("the mma GEMV kernel runs on CUDA sm_90+ only")
         return gemv_mma(x.to(torch.bfloat16), packed, weight_scale, weight_scale_2, tiles, cfg.num_warps,
-                        cfg.split_k, cfg.l2_ahead, cfg.l2_fetch)
+                        cfg.split_k, cfg.l2_ahead, cfg.l2_fetch, cfg.unroll)
     if cfg.words and m > 16:
         raise ValueError(f"the words kernel handles M <= 16, got M = {m} ({cfg})")
     if cfg.words:

@@ -187,6 +187,15 @@ def _load_tile(q_addr, s_addr, q_row_bytes, s_row_bytes, ones, L2_FETCH: tl.cons
 
 
 @triton.jit
+def _load_chunks(q_addr, s_addr, q_row_bytes, s_row_bytes, ones, L2_FETCH: tl.constexpr, UNROLL: tl.constexpr):
+    """UNROLL consecutive chunks of a tile (each 64 bytes of words and 8 of scales on) -> a tuple of _load_tile's."""
+    t = ()
+    for u in tl.static_range(UNROLL):
+        t = t + (_load_tile(q_addr + 64 * u, s_addr + 8 * u, q_row_bytes, s_row_bytes, ones, L2_FETCH),)
+    return t
+
+
+@triton.jit
 def _x_pairs(addr, ok):
     """8 bf16 of x at addr -> the B pairs (0, 4), (1, 5), (2, 6), (3, 7); zeros where ok == 0."""
     r0, r1, r2, r3 = _load4(addr, ok)
@@ -237,7 +246,7 @@ def _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, LAST: tl.c
 def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, count_ptr, M, N, K, stride_xm,
                      stride_om, CHUNKS_PER_SPLIT, SPLIT_K, TILES: tl.constexpr, WARPS: tl.constexpr,
                      TWO_B: tl.constexpr, ATOMIC: tl.constexpr, L2_AHEAD: tl.constexpr,
-                     L2_FETCH: tl.constexpr):
+                     L2_FETCH: tl.constexpr, UNROLL: tl.constexpr):
     T: tl.constexpr = 32 * WARPS
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     lane = tl.arange(0, T)                                             # [T]: one value per thread, lane order
@@ -261,11 +270,11 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
     zero = tl.zeros((T,), tl.float32)
     acc_a = (zero, zero, zero, zero, zero, zero, zero, zero)
     acc_b = (zero, zero, zero, zero, zero, zero, zero, zero)
-    wa, sca = _load_tile(qa, sa, q_row, s_row, ones, L2_FETCH)
-    wb, scb = wa, sca
+    wa = _load_chunks(qa, sa, q_row, s_row, ones, L2_FETCH, UNROLL)   # per chunk of the step: (words, scales)
+    wb = wa
     if TILES == 2:
-        wb, scb = _load_tile(qb, sb, q_row, s_row, ones, L2_FETCH)
-    for c in range(c_lo, c_hi):
+        wb = _load_chunks(qb, sb, q_row, s_row, ones, L2_FETCH, UNROLL)
+    for c in range(c_lo, c_hi, UNROLL):
         if L2_AHEAD > 0:                                               # chunk c + L2_AHEAD into L2 (the last one)
             ahead = (tl.minimum(c + L2_AHEAD, c_hi - 1) - c).to(tl.int64) * 64
             tl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [qa + ahead], dtype=tl.int32, is_pure=False, pack=1)
@@ -275,21 +284,22 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
                 tl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [qb + ahead], dtype=tl.int32, is_pure=False, pack=1)
                 tl.inline_asm_elementwise(PREFETCH_L2, "=r,l", [qb + ahead + 8 * q_row], dtype=tl.int32,
                                           is_pure=False, pack=1)
-        step = (c + 1 < c_hi).to(tl.int64)                            # prefetch the next chunk (the last re-reads)
-        qa += 64 * step
-        sa += 8 * step
-        wa_n, sca_n = _load_tile(qa, sa, q_row, s_row, ones, L2_FETCH)
-        wb_n, scb_n = wa_n, sca_n
+        step = (c + UNROLL < c_hi).to(tl.int64)                        # prefetch the next step (the last re-reads)
+        qa += 64 * UNROLL * step
+        sa += 8 * UNROLL * step
+        wa_n = _load_chunks(qa, sa, q_row, s_row, ones, L2_FETCH, UNROLL)
+        wb_n = wa_n
         if TILES == 2:
-            qb += 64 * step
-            sb += 8 * step
-            wb_n, scb_n = _load_tile(qb, sb, q_row, s_row, ones, L2_FETCH)
-        x = _x_block(xa, stride_xm, g, M, TWO_B)
-        acc_a = _mma_tile(_decode_tile(wa, sca), x, acc_a, TWO_B)
-        if TILES == 2:                                                 # the same x, a second weight tile
-            acc_b = _mma_tile(_decode_tile(wb, scb), x, acc_b, TWO_B)
-        xa += 256
-        wa, sca, wb, scb = wa_n, sca_n, wb_n, scb_n
+            qb += 64 * UNROLL * step
+            sb += 8 * UNROLL * step
+            wb_n = _load_chunks(qb, sb, q_row, s_row, ones, L2_FETCH, UNROLL)
+        for u in tl.static_range(UNROLL):
+            x = _x_block(xa + 256 * u, stride_xm, g, M, TWO_B)
+            acc_a = _mma_tile(_decode_tile(wa[u][0], wa[u][1]), x, acc_a, TWO_B)
+            if TILES == 2:                                             # the same x, a second weight tile
+                acc_b = _mma_tile(_decode_tile(wb[u][0], wb[u][1]), x, acc_b, TWO_B)
+        xa += 256 * UNROLL
+        wa, wb = wa_n, wb_n
     scale = tl.load(scale_2_ptr) * 4.611686018427388e18                # 2**62 undoes 2**-126 * 2**64
     o0 = out_ptr.to(tl.int64, bitcast=True)
     w0 = work_ptr.to(tl.int64, bitcast=True)
@@ -302,7 +312,7 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
 
 
 def gemv_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, tiles: int = 2,
-             warps: int = 4, split_k: int = 1, l2_ahead: int = 0, l2_fetch: int = 0) -> Tensor:
+             warps: int = 4, split_k: int = 1, l2_ahead: int = 0, l2_fetch: int = 0, unroll: int = 1) -> Tensor:
     """x [M, K] (M <= 16, bf16, unit stride along K, K % 128 == 0) @ NVFP4 [N, K]^T -> bf16 [M, N] (N >= 16).
     Arguments checked by w4a16_gemv; CUDA sm_90 only."""
     m, k = x.shape
@@ -319,12 +329,14 @@ def gemv_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Te
     if m == 0:
         return out
     chunks = k // CHUNK_K.value
-    per_split = triton.cdiv(chunks, split_k)
+    if unroll not in (1, 2) or chunks % unroll:
+        raise ValueError(f"unroll must be 1 or 2 and divide the {chunks} 128-K chunks, got {unroll}")
+    per_split = triton.cdiv(triton.cdiv(chunks, split_k), unroll) * unroll   # whole steps per split
     split = triton.cdiv(chunks, per_split)
     blocks = triton.cdiv(n, 16 * tiles * warps)
     work, count = _workspace(x.device, n, blocks) if split > 1 else (out, out)
     _gemv_mma_kernel[(blocks, split)](x, packed, weight_scale.view(torch.uint8), weight_scale_2.float().reshape(1),
                                       out, work, count, m, n, k, x.stride(0), out.stride(0), per_split, split,
                                       TILES=tiles, WARPS=warps, TWO_B=m > 8, ATOMIC=split > 1, L2_AHEAD=l2_ahead,
-                                      L2_FETCH=l2_fetch, num_warps=warps, num_stages=1)
+                                      L2_FETCH=l2_fetch, UNROLL=unroll, num_warps=warps, num_stages=1)
     return out

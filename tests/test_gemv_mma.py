@@ -60,27 +60,33 @@ def test_pair_x_matches_the_decode_order():
     assert got == [halves[i] | halves[i + 4] << 16 for i in range(4)]
 
 
-@pytest.mark.parametrize("m,n,k,split,fetch", [(1, 96, 512, 1, 0), (7, 64, 1024, 4, 128), (9, 4096, 256, 1, 256),
-                                               (16, 160, 384, 2, 0)])
-def test_mma_kernel_compiles_without_shared_memory(m, n, k, split, fetch):
+@pytest.mark.parametrize("m,n,k,split,fetch,unroll", [(1, 96, 512, 1, 0, 1), (7, 64, 1024, 4, 128, 1),
+                                                      (9, 4096, 256, 1, 256, 1), (16, 160, 384, 2, 0, 1),
+                                                      (8, 4096, 1024, 2, 128, 2), (1, 96, 512, 1, 0, 2)])
+def test_mma_kernel_compiles_without_shared_memory(m, n, k, split, fetch, unroll):
     x, packed = torch.randn(m, k).bfloat16(), torch.zeros(n, k // 2, dtype=torch.uint8)
     scale = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
     (fn, args, kw), = sass_loop.record_launches(mma, ("_gemv_mma_kernel",), lambda: mma.gemv_mma(
-        x, packed, scale, torch.ones(()), split_k=split, l2_fetch=fetch))
-    assert kw["TWO_B"] == (m > 8) and kw["ATOMIC"] == (split > 1)
+        x, packed, scale, torch.ones(()), split_k=split, l2_fetch=fetch, unroll=unroll))
+    assert kw["TWO_B"] == (m > 8) and kw["ATOMIC"] == (split > 1) and kw["UNROLL"] == unroll
     kernel = sass_loop.compile_sm90(fn, args, kw)
     assert kernel.metadata.shared <= 16                               # split-K: the counter's broadcast only
-    prof = sass_loop.profile("mma", kernel, 16 * 16 * kw["TILES"] * kw["WARPS"], kw["WARPS"])
-    want = 8 * kw["TILES"] * (2 if m > 8 else 1)                         # per chunk: 2 per word column and B
+    prof = sass_loop.profile("mma", kernel, 16 * 16 * kw["TILES"] * kw["WARPS"] * unroll, kw["WARPS"])
+    want = 8 * kw["TILES"] * (2 if m > 8 else 1) * unroll                # per chunk: 2 per word column and B
     assert kernel.asm["sass"].count("HMMA") == want and prof.by_class["mma"] >= want - 1   # (one may sit at the top)
     assert prof.by_class["shared"] == 0 and prof.per_word < 32
+    assert "LDL" not in kernel.asm["sass"]                            # no spills
 
 
 def test_configs_and_bad_shapes():
     cfg = g.mma_config(151936, 4096)
     assert cfg.mma and cfg.split_k == 1 and cfg.block_n == 128 and cfg.l2_ahead == 0
     lm_head = g.default_gemv_config(1, 151936, 4096, mma_ok=True)
-    assert (lm_head.block_n, lm_head.num_warps, lm_head.split_k, lm_head.l2_fetch) == (64, 4, 1, 128)
+    assert (lm_head.block_n, lm_head.num_warps, lm_head.split_k, lm_head.l2_fetch, lm_head.unroll) == (64, 4, 1, 128, 2)
+    fc = g.default_gemv_config(8, 4096, 20480, mma_ok=True)
+    assert (fc.block_n, fc.num_warps, fc.split_k, fc.l2_fetch, fc.unroll) == (128, 4, 16, 128, 2)
+    assert g.default_gemv_config(8, 4096, 4096, mma_ok=True).unroll == 1                  # q/o
+    assert g.default_gemv_config(1, 4096, 20480, mma_ok=True).unroll == 1
     lm_head = g.default_gemv_config(8, 151936, 4096, mma_ok=True)
     assert (lm_head.block_n, lm_head.num_warps, lm_head.split_k, lm_head.l2_fetch) == (256, 8, 2, 128)
     assert g.mma_config(4096, 20480).split_k == 16 and g.mma_config(1024, 256).split_k == 2   # 8 warps per SM
@@ -96,3 +102,7 @@ def test_configs_and_bad_shapes():
         g.w4a16_gemv(x, packed, scale, torch.ones(()), g.mma_config(64, 256))
     with pytest.raises(ValueError, match="mma kernel needs"):
         g.w4a16_gemv(x, packed, scale, torch.ones(()), g.GemvConfig(48, 128, mma=True))
+    with pytest.raises(ValueError, match="unroll must be 1 or 2"):                    # 3 chunks, 2 per step
+        mma.gemv_mma(torch.randn(3, 384).bfloat16(), torch.zeros(64, 192, dtype=torch.uint8),
+                     torch.ones(64, 24).to(torch.float8_e4m3fn), torch.ones(()), unroll=2)
+    assert g.mma_config(4096, 20480, unroll=2).split_k == 16 and g.mma_config(1024, 256, unroll=2).split_k == 1
