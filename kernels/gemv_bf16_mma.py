@@ -19,7 +19,6 @@ CUDA sm_90 only (inline PTX); the reference is gemv_bf16.gemv_ref.
 """
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
@@ -29,7 +28,7 @@ from triton.language.extra import libdevice
 
 from . import pdl
 from .fused_ops import _round
-from .pdl import pdl_trigger, pdl_wait
+from .pdl import _sm90, pdl_trigger, pdl_wait
 from .w4a16_gemv_mma import _load4, _load_words, _mma
 
 
@@ -43,8 +42,9 @@ class MmaDenseConfig:
 
 def default_mma_dense_config(m: int, n: int, k: int) -> MmaDenseConfig:
     """From the H200 sweep at M = 8 and 16 (bench/bench_dense_gemv.py --mma-sweep, bench/RESULTS.md): the longest
-    chunks K allows; vocab-sized N one warp per tile over all of K (with the L2::128B hint), MLP-sized N two tiles
-    and two K slices per program, the 8B qkv two tiles and four slices, few rows (o, down) eight K slices."""
+    chunks K allows; vocab-sized N one warp per tile over all of K (with the L2::128B hint), the 8B gate/up two
+    tiles and two K slices per program, the 8B qkv two tiles and four slices (the 0.5B gate/up, 7 chunks: one tile,
+    two slices), few rows (o, down) eight K slices."""
     tiles = n // 16                                                    # swiglu: 8 gate + 8 up rows a tile
     vec = 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
     chunks = k // (32 * vec)
@@ -55,11 +55,6 @@ def default_mma_dense_config(m: int, n: int, k: int) -> MmaDenseConfig:
     if tiles >= 384:
         return MmaDenseConfig(2, 4, vec) if chunks >= 16 else MmaDenseConfig(1, 2, vec)
     return MmaDenseConfig(1, 8, vec)
-
-
-@lru_cache(maxsize=None)
-def _sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def mma_dense_ok(x: Tensor, w: Tensor) -> bool:
