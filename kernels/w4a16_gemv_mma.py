@@ -15,8 +15,9 @@ and a mask per pair of codes put each code under bf16's exponent LSBs / mantissa
 E2M1 * 2**-126 (0.5 a subnormal); `mul.rn.bf16x2` by the block scale * 2**64 makes it exact and normal (<= 6
 significant bits). The fp32 accumulators get 2**62 * weight_scale_2 at the end.
 
-A warp covers TILES 16-row tiles (x loaded and paired once for all of them) and prefetches the next chunk's words
-and scales while the tensor cores work on this one. L2_FETCH = 128 / 256 puts the L2::128B / 256B hint on the weight
+A warp covers TILES 16-row tiles (x loaded and paired once for all of them) and prefetches the next step's words
+and scales while the tensor cores work on this one; a step is UNROLL consecutive chunks (2: each quad reads 128
+contiguous bytes of a row per step; lm_head at M = 1 from 114 to 106 us). L2_FETCH = 128 / 256 puts the L2::128B / 256B hint on the weight
 loads (L2 fetches that many bytes around each 64-byte read of a quad: lm_head at M = 1 from 134 to 114 us), L2_AHEAD
 prefetches the chunk that many steps ahead into L2 (bench/RESULTS.md). Split-K adds fp32 partials into the zeroed
 workspace of `w4a16_gemv_words`; the last program of an N block writes bf16 and re-zeroes it.
