@@ -178,8 +178,8 @@ def gemv_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _mma_rows(x: Tensor, w: Tensor) -> bool:
-    return (dispatch.DENSE_GEMV and dispatch.DENSE_MMA and dispatch.DENSE_MMA_MIN_ROWS <= x.shape[0] <= 16
-            and mma_dense_ok(x, w))
+    return (dispatch.DENSE_GEMV and dispatch.DENSE_MMA and dispatch.DENSE_MMA_MIN_ROWS <= x.shape[0]
+            and mma_dense_ok(x, w))                                          # (which takes M <= 16)
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -68,15 +68,6 @@ def mma_dense_ok(x: Tensor, w: Tensor) -> bool:
             and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
-@triton.jit
-def _x_words(addr, ok, VEC: tl.constexpr):
-    """VEC 16-byte vectors of one x row at addr -> 4 * VEC words; zeros where ok == 0."""
-    x = _load4(addr, ok)
-    for v in tl.static_range(1, VEC):
-        x = x + _load4(addr + 64 * v, ok)
-    return x
-
-
 LOAD4_NC = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
 
 
@@ -94,7 +85,8 @@ def _vector(addr, ok, EVEN: tl.constexpr, L2_FETCH: tl.constexpr):
 
 @triton.jit
 def _row_words(addr, ok, EVEN: tl.constexpr, L2_FETCH: tl.constexpr, VEC: tl.constexpr):
-    """VEC 16-byte weight vectors at addr -> 4 * VEC words (zeros where ok == 0 unless EVEN)."""
+    """VEC 16-byte vectors at addr (64 bytes apart) -> 4 * VEC words (zeros where ok == 0 unless EVEN). x rows take
+    it with EVEN False: always predicated (rows past M)."""
     w = _vector(addr, ok, EVEN, L2_FETCH)
     for v in tl.static_range(1, VEC):
         w = w + _vector(addr + 64 * v, ok, EVEN, L2_FETCH)
@@ -219,19 +211,19 @@ def _gemv_mma_dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, I, stride_xm, 
     pdl_wait(PDL)
     x_lo_ok = (g < M).to(tl.int32)
     x_hi_ok = (g + 8 < M).to(tl.int32)
-    x = _x_words(xa, x_lo_ok & ok, VEC)                                # x rows g (and g + 8) for the same K
+    x = _row_words(xa, x_lo_ok & ok, False, 0, VEC)                    # x rows g (and g + 8) for the same K
     x8 = x
     if TWO_B:
-        x8 = _x_words(xa + 16 * stride_xm, x_hi_ok & ok, VEC)
+        x8 = _row_words(xa + 16 * stride_xm, x_hi_ok & ok, False, 0, VEC)
     for i in range(per):                                               # load chunk i + 1, multiply chunk i
         ahead = tl.minimum(i + 1, per - 1)                             # (past the slice: its last chunk again)
         off = ahead.to(tl.int64) * (CK * 2)
         nxt = (c0 + ahead < chunks).to(tl.int32)
         w_n = _chunk(rows, off, row_b, nxt, EVEN, L2_FETCH, VEC, TILES)
-        x_n = _x_words(xa + off, x_lo_ok & nxt, VEC)
+        x_n = _row_words(xa + off, x_lo_ok & nxt, False, 0, VEC)
         x8_n = x_n
         if TWO_B:
-            x8_n = _x_words(xa + off + 16 * stride_xm, x_hi_ok & nxt, VEC)
+            x8_n = _row_words(xa + off + 16 * stride_xm, x_hi_ok & nxt, False, 0, VEC)
         acc = _mma_tiles(w, x, acc, VEC, TILES)
         if TWO_B:
             acc8 = _mma_tiles(w, x8, acc8, VEC, TILES)
