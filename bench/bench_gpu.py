@@ -143,8 +143,8 @@ def bench_target(name: str, batches: list[int], context: int, device: str, dtype
     return rows
 
 
-def bench_draft(name: str, batches: list[int], context: int, device: str, dtype: torch.dtype, iters: int,
-                topks: list[int], verify_ms: dict[int, float]) -> list[dict]:
+def draft_module(name: str, fmt: str, device: str, dtype: torch.dtype) -> DSparkDraft:
+    """A random DSpark draft at the shape's draft size; fmt "nvfp4" swaps fc, the projections and markov_w2."""
     tcfg = target_config(name, dtype)
     n_layers = DRAFT_LAYERS[name]
     layers = replace(tcfg, num_layers=n_layers, tie_word_embeddings=False)
@@ -153,62 +153,85 @@ def bench_draft(name: str, batches: list[int], context: int, device: str, dtype:
                        mask_token_id=tcfg.vocab_size - 1, anchor_first=True, target_hidden_size=tcfg.hidden_size,
                        draft_vocab_size=tcfg.vocab_size, markov_rank=256 if name != "tiny" else 16,
                        enable_confidence_head=True)
+    draft = random_module(lambda: DSparkDraft(dcfg), device, dtype).eval()
+    if fmt == "nvfp4":
+        for mod_name, mod in list(draft.named_modules()):
+            if isinstance(mod, torch.nn.Linear) and (mod_name == "fc" or "_proj" in mod_name
+                                                     or mod_name.endswith("markov_w2")):
+                parent, _, child = mod_name.rpartition(".")
+                setattr(draft.get_submodule(parent) if parent else draft, child, NVFP4Linear.from_linear(mod))
+    return draft
+
+
+def draft_side(draft: DSparkDraft, batch: int, context: int, topk: int, static: bool) -> tuple[DraftSide, DraftInput]:
+    """The draft's side for `batch` requests at `context` tokens, and one step's input (no new context rows)."""
+    spec = SpeculativeConfig(dspark_draft_topk=topk)
+    side = DraftSide(draft, batch * -(-(context + 16) // BLOCK), BLOCK, spec, draft.config.draft_vocab_size)
+    if static:
+        side.use_static_shapes(context + 64)
+    tables = [side.allocator.allocate(context + 16) for _ in range(batch)]
+    width = max(len(t) for t in tables)
+    inp = DraftInput(anchors=torch.full((batch,), 5), anchor_pos=torch.full((batch,), context),
+                     ctx_start=torch.full((batch,), context), ctx_len=torch.zeros(batch, dtype=torch.int64),
+                     features=None, block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                     temperature=torch.zeros(batch), seeds=torch.arange(batch))
+    return side, inp
+
+
+def bench_draft(name: str, batches: list[int], context: int, device: str, dtype: torch.dtype, iters: int,
+                topks: list[int], verify_ms: dict[int, float]) -> list[dict]:
     rows = []
     for fmt in ("bf16", "nvfp4"):
-        draft = random_module(lambda: DSparkDraft(dcfg), device, dtype).eval()
-        if fmt == "nvfp4":
-            for mod_name, mod in list(draft.named_modules()):
-                if isinstance(mod, torch.nn.Linear) and (mod_name == "fc" or "_proj" in mod_name
-                                                         or mod_name.endswith("markov_w2")):
-                    parent, _, child = mod_name.rpartition(".")
-                    setattr(draft.get_submodule(parent) if parent else draft, child, NVFP4Linear.from_linear(mod))
+        draft = draft_module(name, fmt, device, dtype)
         for topk, static, batch in [(t, s, b) for t in topks for s in (True, False) for b in batches]:
-            spec = SpeculativeConfig(dspark_draft_topk=topk)
-            side = DraftSide(draft, batch * -(-(context + 16) // BLOCK), BLOCK, spec, tcfg.vocab_size)
-            if static:
-                side.use_static_shapes(context + 64)
-            tables = [side.allocator.allocate(context + 16) for _ in range(batch)]
-            width = max(len(t) for t in tables)
-            inp = DraftInput(anchors=torch.full((batch,), 5), anchor_pos=torch.full((batch,), context),
-                             ctx_start=torch.full((batch,), context), ctx_len=torch.zeros(batch, dtype=torch.int64),
-                             features=None, block_table=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-                             temperature=torch.zeros(batch), seeds=torch.arange(batch))
+            side, inp = draft_side(draft, batch, context, topk, static)
             ms = time_ms(lambda: side.propose(inp), device, iters)
             v = verify_ms.get(batch)
-            rows.append({"model": name, "draft_layers": n_layers, "format": fmt, "topk": topk, "graphs": static,
-                         "batch": batch, "draft_ms": ms, "verify_ms": v, "draft_over_verify": ms / v if v else None})
+            rows.append({"model": name, "draft_layers": DRAFT_LAYERS[name], "format": fmt, "topk": topk,
+                         "graphs": static, "batch": batch, "draft_ms": ms, "verify_ms": v,
+                         "draft_over_verify": ms / v if v else None})
         del draft
     return rows
 
 
-def kernel_table(name: str, context: int, device: str, dtype: torch.dtype, top: int, steps: int = 20,
-                 tokens: int = 1) -> list[dict]:
-    """Device time per kernel of the batch-1 target step over `tokens` new tokens (1: plain, 8: verify 1 + 7;
-    torch.profiler over graph replays; on CPU, self time per op) -> rows, printed."""
-    model = random_module(lambda: QwenForCausalLM(target_config(name, dtype)), device, dtype).eval()
-    side = TargetSide(model, -(-(context + 16) // BLOCK) + 1, BLOCK)
-    side.use_static_shapes((1,), max_model_len=context + 64)
-    reqs = requests(1, context, 7)
-    reqs[0].target_blocks = side.allocator.allocate(context + 16)
+def profile_table(label: str, run, device: str, top: int, steps: int = 20) -> list[dict]:
+    """Device time per kernel of `run()` (torch.profiler over graph replays; on CPU, self time per op) -> rows,
+    printed."""
     for _ in range(3):
-        side.run(reqs, [[5] * tokens], last_only=False)
+        run()
     sync(device)
     cuda = device.startswith("cuda")
     acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
-            side.run(reqs, [[5] * tokens], last_only=False)
+            run()
         sync(device)
     key = "device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))
     rows = [{"kernel": e.key, "us_per_step": getattr(e, key) / steps, "calls_per_step": e.count / steps}
             for e in events]
-    step = "plain" if tokens == 1 else f"{tokens}-token"
-    print(f"{name} {step} step, batch 1: {sum(r['us_per_step'] for r in rows):.1f} us per step in all")
+    print(f"{label}: {sum(r['us_per_step'] for r in rows):.1f} us per step in all")
     for r in rows[:top]:
         print(f"{r['us_per_step']:9.1f} us/step {r['calls_per_step']:6.1f} calls/step  {r['kernel'][:90]}")
-    del model
     return rows
+
+
+def kernel_table(name: str, context: int, device: str, dtype: torch.dtype, top: int, tokens: int = 1) -> list[dict]:
+    """The batch-1 target step over `tokens` new tokens (1: plain, 8: verify 1 + 7), per kernel."""
+    model = random_module(lambda: QwenForCausalLM(target_config(name, dtype)), device, dtype).eval()
+    side = TargetSide(model, -(-(context + 16) // BLOCK) + 1, BLOCK)
+    side.use_static_shapes((1,), max_model_len=context + 64)
+    reqs = requests(1, context, 7)
+    reqs[0].target_blocks = side.allocator.allocate(context + 16)
+    step = "plain" if tokens == 1 else f"{tokens}-token"
+    return profile_table(f"{name} {step} step, batch 1", lambda: side.run(reqs, [[5] * tokens], last_only=False),
+                         device, top)
+
+
+def draft_kernel_table(name: str, context: int, device: str, dtype: torch.dtype, top: int, topk: int) -> list[dict]:
+    """The NVFP4 draft block at batch 1 (CUDA graphs), per kernel."""
+    side, inp = draft_side(draft_module(name, "nvfp4", device, dtype), 1, context, topk, static=True)
+    return profile_table(f"{name} NVFP4 draft block, top-k {topk}, batch 1", lambda: side.propose(inp), device, top)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -229,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also profile the plain batch-1 step per kernel and print the N costliest")
     ap.add_argument("--kernels-tokens", type=int, nargs="+", default=[1], metavar="Q",
                     help="the profiled steps' new tokens (8: verify 1 + 7)")
+    ap.add_argument("--draft-kernels", type=int, default=0, metavar="N",
+                    help="also profile the NVFP4 draft block at batch 1 (first --topk) and print the N costliest")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -261,6 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
         result["kernels"] = {name if q == 1 else f"{name} q{q}":
                              kernel_table(name, args.context, args.device, dtype, args.kernels, tokens=q)
                              for name in args.models for q in args.kernels_tokens}
+    if args.draft_kernels:
+        result["draft_kernels"] = {name: draft_kernel_table(name, args.context, args.device, dtype, args.draft_kernels,
+                                                            args.topk[0]) for name in args.models}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

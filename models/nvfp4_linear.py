@@ -75,9 +75,11 @@ class NVFP4Linear(nn.Module):
         return F.linear(x, self._cpu_weight(x.dtype), self.bias)
 
     def _cpu_weight(self, dtype: torch.dtype) -> Tensor:
-        """The dequantized weight, kept while the NVFP4 buffers are unchanged (tensor version counters)."""
-        key = (dtype, self.weight.device, self.weight._version, self.weight_scale._version,
-               self.weight_scale_2._version, self.weight.data_ptr())
+        """The dequantized weight, kept while the NVFP4 buffers are unchanged (tensor version counters; buffers
+        made under inference_mode have none, and are keyed by their storage only)."""
+        version = lambda t: -1 if t.is_inference() else t._version  # noqa: E731
+        key = (dtype, self.weight.device, version(self.weight), version(self.weight_scale),
+               version(self.weight_scale_2), self.weight.data_ptr())
         if getattr(self, "_cached_key", None) != key:
             self._cached, self._cached_key = self.dequantized_weight(dtype), key
         return self._cached

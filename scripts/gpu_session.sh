@@ -21,6 +21,7 @@
 #             DSPARK_GEMV_MMA=0 and 1, bench_gpu at the 8B shapes (P3)
 #   vmma      random weights only: the dense mma GEMV for verify rows (tests, the sweep against cuBLAS at M = 1, 8, 16)
 #   vmma2     random weights only: bench_gpu's 8B rows with DENSE_MMA off / on (+ lm_head), bench_step A/B
+#   dprof     random weights only: bench_gpu at the 8B shape, batch 1, with the NVFP4 draft block's kernel table
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -172,5 +173,8 @@ vmma2)  # random weights: P1/P2 with the dense mma GEMV off / on, then the demo-
         DENSE_MMA=0 DENSE_MMA=1 DENSE_MMA=1,LM_HEAD_GEMV=1 \
         --json "$OUT/bench_gpu_vmma.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_vmma.log" | grep -A30 "^model graphs"
     step_ab DENSE_MMA vmma ;;
+dprof)  # random weights: P1-P3 at the 8B shape, batch 1, and the NVFP4 draft block's kernel table (P3)
+    timeout 300 python3 bench/bench_gpu.py --models 8b --batch 1 --topk 64 --iters 20 --draft-kernels 45 \
+        --json "$OUT/bench_gpu_dprof.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_dprof.log" | tail -70 ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

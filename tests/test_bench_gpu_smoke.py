@@ -9,7 +9,7 @@ from bench_scripts import load_bench
 def test_bench_gpu_tiny_runs_and_reports(tmp_path):
     mod = load_bench("bench_gpu")
     out = tmp_path / "r.json"
-    mod.main(["--tiny", "--device", "cpu", "--kernels", "5", "--json", str(out)])
+    mod.main(["--tiny", "--device", "cpu", "--kernels", "5", "--draft-kernels", "5", "--json", str(out)])
     r = json.loads(out.read_text())
     assert r["copy_GBps"] > 0
     assert sorted((t["graphs"], t["batch"]) for t in r["target"]) == [(False, 1), (False, 3), (True, 1), (True, 3)]
@@ -20,3 +20,6 @@ def test_bench_gpu_tiny_runs_and_reports(tmp_path):
     table = r["kernels"]["tiny"]
     assert table and all(k["us_per_step"] >= 0 and k["calls_per_step"] > 0 for k in table)
     assert any("linear" in k["kernel"] or "mm" in k["kernel"] for k in table)   # the CPU profile names torch ops
+    draft = r["draft_kernels"]["tiny"]
+    assert draft and all(k["us_per_step"] >= 0 and k["calls_per_step"] > 0 for k in draft)
+    assert any("topk" in k["kernel"] for k in draft)  # the candidates of the top-k Markov walk

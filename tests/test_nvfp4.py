@@ -129,6 +129,16 @@ def test_nvfp4_linear_cpu_weight_cache_follows_buffer_writes():
     assert torch.equal(layer(x.double()), x.double() @ nvfp4.dequantize(packed, scale, scale_2, torch.float64).T)
 
 
+def test_nvfp4_linear_built_under_inference_mode_runs_outside_it():
+    """Buffers made under inference_mode have no version counter; the CPU cache must not need one."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        layer = NVFP4Linear.from_linear(torch.nn.Linear(32, 8, bias=False).float())
+    x = torch.randn(3, 32)
+    want = x @ nvfp4.dequantize(layer.weight, layer.weight_scale, layer.weight_scale_2).T
+    assert torch.equal(layer(x), want) and torch.equal(layer(x), want)
+
+
 def test_kept_dense_copy_gives_the_dequant_path_bit_for_bit():
     """NVFP4Linear.keep_dense: the M > 16 GEMM on the kept bf16 temporary equals dequantizing it per call, and
     keep_dense_up_to keeps nothing over its byte limit."""
@@ -139,9 +149,9 @@ def test_kept_dense_copy_gives_the_dequant_path_bit_for_bit():
     assert keep_dense_up_to(layers, 2 * 64 * 80 - 1) == 0 and getattr(layers[0], "_dense", None) is None
     assert keep_dense_up_to(layers + [torch.nn.Linear(4, 4)], 2 * 64 * 80) == 2 * 64 * 80
     x = torch.randn(40, 64).bfloat16()
-    for q in layers:
-        assert q._dense.dtype == torch.bfloat16 and q._dense.shape == (q.out_features, 64)
-        want = w4a16_dequant_matmul(x, q.weight, q.weight_scale, q.weight_scale_2)
-        assert torch.equal(dense_unit_matmul(x, q._dense, q.weight_scale_2), want)
-        q.keep_dense(False)
-        assert q._dense is None
+    for lay in layers:
+        assert lay._dense.dtype == torch.bfloat16 and lay._dense.shape == (lay.out_features, 64)
+        want = w4a16_dequant_matmul(x, lay.weight, lay.weight_scale, lay.weight_scale_2)
+        assert torch.equal(dense_unit_matmul(x, lay._dense, lay.weight_scale_2), want)
+        lay.keep_dense(False)
+        assert lay._dense is None

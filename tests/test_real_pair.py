@@ -75,3 +75,18 @@ def test_bench_pair_reports_speed_and_a_step_profile(tmp_path):
     assert spec["regions"]["dspark.draft"]["host_ms"] > 0 and spec["regions"]["dspark.verify"]["host_ms"] > 0
     assert plain["regions"]["dspark.draft"]["host_ms"] < spec["regions"]["dspark.draft"]["host_ms"]  # no draft
     assert spec["top_ops"] and all(o["self_ms"] >= 0 for o in spec["top_ops"])
+
+
+def test_bench_predraft_replays_the_engine_step_by_step():
+    """bench/bench_predraft.py's teacher-forced replay of the normal layout reproduces every step's accepted count."""
+    from bench_scripts import load_bench
+    bench = load_bench("bench_predraft")
+    llm = LLM(TARGET, DEMO_DRAFTER, device="cpu", dtype=torch.float32, num_kv_blocks=256, enforce_eager=True)
+    prompt = CHAT_TEMPLATE.format(json.loads(HELDOUT.read_text().splitlines()[0])["prompt"])
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40))
+    rows = bench.replay(llm, out)
+    assert len(rows) >= 5
+    assert all(row["normal"] == engine for _, engine, row in rows)
+    assert all(0 <= row[name] <= llm.draft.num_speculative_tokens for _, _, row in rows for name in bench.LAYOUTS)
+    res = bench.summarize(rows, llm.draft.num_speculative_tokens)
+    assert res["normal"] == res["engine"] > 1.0 and sum(r["steps"] for r in res["by_previous"].values()) == len(rows)
