@@ -144,7 +144,7 @@ def bench_target(name: str, batches: list[int], context: int, device: str, dtype
 
 
 def draft_module(name: str, fmt: str, device: str, dtype: torch.dtype) -> DSparkDraft:
-    """A random DSpark draft at the shape's draft size; fmt "nvfp4" swaps fc, the projections and markov_w2."""
+    """A random DSpark draft at the shape's draft size; fmt "nvfp4..." swaps fc, the projections and markov_w2."""
     tcfg = target_config(name, dtype)
     n_layers = DRAFT_LAYERS[name]
     layers = replace(tcfg, num_layers=n_layers, tie_word_embeddings=False)
@@ -154,7 +154,7 @@ def draft_module(name: str, fmt: str, device: str, dtype: torch.dtype) -> DSpark
                        draft_vocab_size=tcfg.vocab_size, markov_rank=256 if name != "tiny" else 16,
                        enable_confidence_head=True)
     draft = random_module(lambda: DSparkDraft(dcfg), device, dtype).eval()
-    if fmt == "nvfp4":
+    if fmt.startswith("nvfp4"):
         for mod_name, mod in list(draft.named_modules()):
             if isinstance(mod, torch.nn.Linear) and (mod_name == "fc" or "_proj" in mod_name
                                                      or mod_name.endswith("markov_w2")):
@@ -163,9 +163,10 @@ def draft_module(name: str, fmt: str, device: str, dtype: torch.dtype) -> DSpark
     return draft
 
 
-def draft_side(draft: DSparkDraft, batch: int, context: int, topk: int, static: bool) -> tuple[DraftSide, DraftInput]:
+def draft_side(draft: DSparkDraft, batch: int, context: int, topk: int, static: bool,
+               quantize_lm_head: bool = False) -> tuple[DraftSide, DraftInput]:
     """The draft's side for `batch` requests at `context` tokens, and one step's input (no new context rows)."""
-    spec = SpeculativeConfig(dspark_draft_topk=topk)
+    spec = SpeculativeConfig(dspark_draft_topk=topk, dspark_quantize_lm_head=quantize_lm_head)
     side = DraftSide(draft, batch * -(-(context + 16) // BLOCK), BLOCK, spec, draft.config.draft_vocab_size)
     if static:
         side.use_static_shapes(context + 64)
@@ -180,11 +181,12 @@ def draft_side(draft: DSparkDraft, batch: int, context: int, topk: int, static: 
 
 def bench_draft(name: str, batches: list[int], context: int, device: str, dtype: torch.dtype, iters: int,
                 topks: list[int], verify_ms: dict[int, float]) -> list[dict]:
+    """Formats: bf16; nvfp4 (the lm_head, shared with the target, in bf16); nvfp4+head (a 4-bit copy of it)."""
     rows = []
-    for fmt in ("bf16", "nvfp4"):
+    for fmt in ("bf16", "nvfp4", "nvfp4+head"):
         draft = draft_module(name, fmt, device, dtype)
         for topk, static, batch in [(t, s, b) for t in topks for s in (True, False) for b in batches]:
-            side, inp = draft_side(draft, batch, context, topk, static)
+            side, inp = draft_side(draft, batch, context, topk, static, fmt == "nvfp4+head")
             ms = time_ms(lambda: side.propose(inp), device, iters)
             v = verify_ms.get(batch)
             rows.append({"model": name, "draft_layers": DRAFT_LAYERS[name], "format": fmt, "topk": topk,
@@ -229,9 +231,10 @@ def kernel_table(name: str, context: int, device: str, dtype: torch.dtype, top: 
 
 
 def draft_kernel_table(name: str, context: int, device: str, dtype: torch.dtype, top: int, topk: int) -> list[dict]:
-    """The NVFP4 draft block at batch 1 (CUDA graphs), per kernel."""
-    side, inp = draft_side(draft_module(name, "nvfp4", device, dtype), 1, context, topk, static=True)
-    return profile_table(f"{name} NVFP4 draft block, top-k {topk}, batch 1", lambda: side.propose(inp), device, top)
+    """The NVFP4 draft block with a 4-bit lm_head at batch 1 (CUDA graphs), per kernel."""
+    side, inp = draft_side(draft_module(name, "nvfp4", device, dtype), 1, context, topk, True, True)
+    return profile_table(f"{name} NVFP4 draft block (4-bit lm_head), top-k {topk}, batch 1", lambda: side.propose(inp),
+                         device, top)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -277,10 +280,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{r['model']:>5} {str(r['graphs']):>6} {r['batch']:>5} {r['plain_ms']:>9.3f} {r['plain_tok_s']:>9.1f} "
               f"{r['floor_ms']:>9.3f} {100 * r['pct_of_floor']:>6.1f}% {r['verify_ms']:>10.3f} "
               f"{r['verify_over_plain']:>5.2f}  {r['dispatch'] or ''}")
-    print(f"{'model':>5} {'fmt':>5} {'topk':>4} {'graphs':>6} {'batch':>5} {'draft ms':>9} {'draft/verify':>12}")
+    print(f"{'model':>5} {'fmt':>10} {'topk':>4} {'graphs':>6} {'batch':>5} {'draft ms':>9} {'draft/verify':>12}")
     for r in result["draft"]:
         ratio = f"{r['draft_over_verify']:.3f}" if r["draft_over_verify"] is not None else "-"
-        print(f"{r['model']:>5} {r['format']:>5} {r['topk']:>4} {str(r['graphs']):>6} {r['batch']:>5} "
+        print(f"{r['model']:>5} {r['format']:>10} {r['topk']:>4} {str(r['graphs']):>6} {r['batch']:>5} "
               f"{r['draft_ms']:>9.3f} {ratio:>12}")
     if args.kernels:
         result["kernels"] = {name if q == 1 else f"{name} q{q}":

@@ -58,6 +58,12 @@ def draft_input(reqs: list[Request], anchors: list[int] | None = None,
     return inp
 
 
+def quantize_lm_head(model: DSparkDraft, spec: SpeculativeConfig) -> bool:
+    """Whether the draft's bf16 lm_head (usually the target's, shared) gets a 4-bit copy for drafting."""
+    head = model.lm_head
+    return spec.dspark_quantize_lm_head and type(head) is torch.nn.Linear and head.in_features % 16 == 0
+
+
 def _walk_fn(t: Tensor):
     """The top-k Markov walk: the Triton kernel on the fast path, else its reference."""
     if use_triton(t):
@@ -93,6 +99,10 @@ class DraftSide:
         self.model, self.spec, self.block_size, self.target_vocab = model, spec, block_size, target_vocab
         self.num_speculative_tokens = spec.num_speculative_tokens or cfg.num_speculative_tokens
         self.device = model.fc.weight.device
+        if quantize_lm_head(model, spec):
+            head = model.lm_head
+            model.lm_head = NVFP4Linear.from_linear(head)
+            model.lm_head.use_source_from(head.weight, DENSE_NVFP4_MIN_ROWS)
         if self.device.type == "cuda":
             model.fuse_projections()
             keep_dense_up_to(model.modules(), DENSE_NVFP4_MAX_BYTES, DENSE_NVFP4_MIN_ROWS)

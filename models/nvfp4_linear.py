@@ -53,7 +53,15 @@ class NVFP4Linear(nn.Module):
         Call again after changing the NVFP4 tensors."""
         self._dense = nvfp4.dequantize(self.weight, self.weight_scale, torch.ones_like(self.weight_scale_2),
                                        torch.bfloat16) if on else None
-        self._dense_min_rows = min_rows
+        self._dense_scale, self._dense_min_rows = self.weight_scale_2, min_rows
+
+    def use_source_from(self, weight: Tensor, min_rows: int = 17) -> None:
+        """From `min_rows` rows on, multiply by `weight` [N, K] (the bf16 weight this layer was quantized from,
+        shared, not copied) instead: where the 4-bit GEMV no longer wins, the original costs what a copy would and
+        is exact. Results then depend on the row count (4-bit below min_rows, the original from there)."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"source weight {tuple(weight.shape)} != ({self.out_features}, {self.in_features})")
+        self._dense, self._dense_scale, self._dense_min_rows = weight, None, min_rows
 
     def keep_bf16_scales(self) -> None:
         """Keep weight_scale as bf16 (exact), which the GEMV's inline-PTX decode reads (DSPARK_GEMV_PRMT=1), instead
@@ -66,7 +74,8 @@ class NVFP4Linear(nn.Module):
             x2 = x.reshape(-1, self.in_features)
             dense = getattr(self, "_dense", None)
             if dense is not None and x2.shape[0] >= self._dense_min_rows:
-                out = dense_unit_matmul(x2, dense, self.weight_scale_2)
+                out = dense_unit_matmul(x2, dense, self._dense_scale) if self._dense_scale is not None \
+                    else F.linear(x2, dense)
             else:
                 out = w4a16_gemm(x2, self.weight, self.weight_scale, self.weight_scale_2,
                                  scale_bf16=getattr(self, "_scale_bf16", None))
@@ -89,10 +98,11 @@ class NVFP4Linear(nn.Module):
 
 
 def keep_dense_up_to(modules: Iterable[nn.Module], max_bytes: int, min_rows: int = 17) -> int:
-    """keep_dense(min_rows=min_rows) on every NVFP4Linear among `modules` when their bf16 copies fit in
+    """keep_dense(min_rows=min_rows) on every NVFP4Linear among `modules` that has no dense weight yet
+    (use_source_from) when their bf16 copies fit in
     `max_bytes` together (a small draft then runs at bf16 speed from min_rows rows on); -> the bytes kept (0 when
     they do not fit)."""
-    layers = [m for m in modules if isinstance(m, NVFP4Linear)]
+    layers = [m for m in modules if isinstance(m, NVFP4Linear) and getattr(m, "_dense", None) is None]
     need = sum(2 * m.in_features * m.out_features for m in layers)
     if not layers or need > max_bytes:
         return 0

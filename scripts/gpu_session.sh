@@ -22,6 +22,7 @@
 #   vmma      random weights only: the dense mma GEMV for verify rows (tests, the sweep against cuBLAS at M = 1, 8, 16)
 #   vmma2     random weights only: bench_gpu's 8B rows with DENSE_MMA off / on (+ lm_head), bench_step A/B
 #   dprof     random weights only: bench_gpu at the 8B shape, batch 1, with the NVFP4 draft block's kernel table
+#   head      random weights only: the 4-bit lm_head copy (GPU tests, bench_gpu 8B P3 rows, bench_step A/B)
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -176,5 +177,16 @@ vmma2)  # random weights: P1/P2 with the dense mma GEMV off / on, then the demo-
 dprof)  # random weights: P1-P3 at the 8B shape, batch 1, and the NVFP4 draft block's kernel table (P3)
     timeout 300 python3 bench/bench_gpu.py --models 8b --batch 1 --topk 64 --iters 20 --draft-kernels 45 \
         --json "$OUT/bench_gpu_dprof.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_dprof.log" | tail -70 ;;
+head)  # random weights: the 4-bit lm_head copy for NVFP4 drafts (tests; P3 at 8B with/without; demo-shape step A/B)
+    timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_nvfp4_gpu.py tests/gpu/test_engine_gpu.py \
+        tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tail -4
+    timeout 200 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 20 --draft-kernels 30 \
+        --json "$OUT/bench_gpu_head.json" 2>&1 | grep -v Warn > "$OUT/bench_gpu_head.log"
+    grep -B1 -A12 "^model" "$OUT/bench_gpu_head.log" | grep -v "False"; grep -A12 "draft block" "$OUT/bench_gpu_head.log"
+    for q in false true; do
+        timeout 60 python3 bench/bench_step.py --speculative-config "{\"dspark_draft_topk\": 64, \"dspark_quantize_lm_head\": $q}" \
+            --json "$OUT/bench_step_head_$q.json" 2>&1 | grep -v Warn > "$OUT/bench_step_head_$q.log"
+        echo "quantize_lm_head $q"; grep -A6 "==" "$OUT/bench_step_head_$q.log"
+    done ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

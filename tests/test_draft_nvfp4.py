@@ -2,6 +2,7 @@
 equal a dense draft holding the dequantized weights, the engine's gathered top-k path agrees, and bad configs fail
 with a message naming the problem (CPU)."""
 
+import copy
 import json
 
 import pytest
@@ -177,3 +178,31 @@ def test_nvfp4_errors_name_the_problem(target, tmp_path):
     (path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(CheckpointError, match="fc"):
         load_draft(path, target=target)
+
+
+def test_quantized_lm_head_drafts_from_a_4bit_copy(target):
+    """dspark_quantize_lm_head: the draft's bf16 lm_head gets an NVFP4 copy for drafting (the target's own head is
+    untouched), verification stays lossless; off by default; a non-boolean is refused."""
+    from dspark_serve.engine.spec_config import SpeculativeConfig
+    from dspark_serve.kernels import nvfp4
+    cfg = draft_config(markov_rank=RANK)
+    draft = random_draft(cfg, target, seed=6)
+    target_head = target.lm_head.weight.clone()
+    off = LLM(target, copy.deepcopy(draft), {}, device="cpu", block_size=8, num_kv_blocks=128)
+    assert type(off.draft.model.lm_head) is torch.nn.Linear
+    llm = LLM(target, draft, {"dspark_quantize_lm_head": True}, device="cpu", block_size=8, num_kv_blocks=128)
+    head = llm.draft.model.lm_head
+    assert isinstance(head, NVFP4Linear) and type(target.lm_head) is torch.nn.Linear
+    assert torch.equal(target.lm_head.weight, target_head)
+    want = nvfp4.dequantize(*nvfp4.quantize(target_head))
+    h = torch.randn(5, cfg.layers.hidden_size)
+    torch.testing.assert_close(llm.draft.model.base_logits(h), h @ want.T, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(llm.draft.model.base_logits(h), off.draft.model.base_logits(h))  # it is another head
+    prompts = [[1, 2, 3, 4], [10, 20, 30, 40, 50]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == greedy_generate(target, prompt, 10), prompt
+    with pytest.raises(ValueError, match="dspark_quantize_lm_head"):
+        SpeculativeConfig.from_json({"dspark_quantize_lm_head": "yes"})
+    with pytest.raises(ValueError, match="source weight"):
+        head.use_source_from(target_head[:, :16])

@@ -172,3 +172,37 @@ def test_nvfp4_linear_with_prmt_decode(monkeypatch):
     q.keep_bf16_scales()
     assert q._scale_bf16.dtype == torch.bfloat16
     assert (q(x).double() - plain).abs().max() <= 2 ** -6 * plain.abs().max()
+
+
+def test_source_weight_from_min_rows_on_gpu():
+    """use_source_from: below min_rows the 4-bit GEMV, from there the original bf16 weight, exactly."""
+    lin = torch.nn.Linear(512, 96).to(DEV, torch.bfloat16)
+    q = NVFP4Linear.from_linear(lin)
+    x = torch.randn(20, 512, device=DEV, dtype=torch.bfloat16)
+    small = q(x[:7])
+    q.use_source_from(lin.weight, min_rows=17)
+    assert torch.equal(q(x[:7]), small)
+    assert torch.equal(q(x), torch.nn.functional.linear(x, lin.weight) + lin.bias)
+
+
+def test_engine_drafts_with_a_quantized_lm_head_on_gpu():
+    """dspark_quantize_lm_head on CUDA: an NVFP4 draft drafts from a 4-bit copy of its bf16 lm_head, in and out
+    of CUDA graphs (the bf16 head from 17 rows on); greedy output still equals the fp64 target's."""
+    from dspark_serve.engine.llm import LLM
+    from dspark_serve.engine.reference import greedy_generate
+    from dspark_serve.engine.sampling_params import SamplingParams
+    from dspark_serve.models.random_init import tiny_pair
+    target, draft = tiny_pair(seed=3, agree=0.002, block_size=6)
+    target, draft = target.to(DEV), draft.to(DEV, torch.bfloat16)
+    for name, mod in list(draft.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and "_proj" in name:
+            parent, _, child = name.rpartition(".")
+            setattr(draft.get_submodule(parent), child, NVFP4Linear.from_linear(mod))
+    head = draft.lm_head.weight
+    prompts = [[1, 2, 3, 4], [10, 20, 30, 40, 50], [7] * 9]
+    for eager in (False, True):
+        llm = LLM(target, draft, {"dspark_quantize_lm_head": True}, device=DEV, block_size=8, num_kv_blocks=256, enforce_eager=eager)
+        assert isinstance(llm.draft.model.lm_head, NVFP4Linear) and llm.draft.model.lm_head._dense is head
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == greedy_generate(target, prompt, 16), (eager, prompt)
