@@ -1,7 +1,9 @@
 """The step channel between verifier (rank 0) and draft (rank 1): torch.distributed send/recv, NCCL or gloo.
 
-Every message is a fixed int64 header, then tensors whose sizes the header gives. Receive buffers grow once and
-are reused, so the hot path allocates nothing once shapes have been seen.
+One message each way per step: a byte buffer of a fixed capacity (both ends derive it from the context width)
+holding a 64-byte int64 header, the int64 fields, then the float payload (16-byte aligned). A payload past the
+capacity (a prefill's context, a batch's, a dense q) follows in a second message whose size the header gives. The receiver reads the header (and the draft the int64 fields) to the
+host in one copy; the floats stay where they arrived. Buffers grow once and are reused.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from torch import Tensor
 
 from dspark_serve.engine.draft_side import DraftInput, DraftProposal
 
-HEADER = 8
+HEADER = 8  # int64 words: [op, a, b, c, d, e, f, total bytes]
 OP_PROPOSE, OP_STOP = 1, 2
 Q_NONE, Q_DENSE, Q_TOPK = 0, 1, 2
+TO_VERIFIER = 16 << 10  # bytes: a top-k 64 proposal of 2 requests, or a greedy one of 100
+HOST_PREFIX = 8 << 10  # bytes of a request the draft reads to the host at once (header + fields, usually)
 
 
 def free_port(host: str) -> int:
@@ -27,36 +31,85 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class StepChannel:
-    """One end of the pair's process group; `device` is where tensors cross (cuda with NCCL, cpu with gloo)."""
+def capacity_to_draft(ctx_dim: int) -> int:
+    """Bytes of the request message: the fields, and 8 rows of bf16 features (a batch-1 step's block)."""
+    return 4096 + 8 * ctx_dim * 2
 
-    def __init__(self, rank: int, host: str, port: int, backend: str, device: torch.device,
+
+def _aligned(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+class StepChannel:
+    """One end of the pair's process group; `device` is where messages cross (cuda with NCCL, cpu with gloo)."""
+
+    def __init__(self, rank: int, host: str, port: int, backend: str, device: torch.device, ctx_dim: int,
                  timeout_s: float = 120.0) -> None:
         if not dist.is_initialized():
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=2,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         self.rank, self.peer, self.device = rank, 1 - rank, device
+        self.capacity_to_draft, self.capacity_to_verifier = capacity_to_draft(ctx_dim), TO_VERIFIER
         self._bufs: dict[str, Tensor] = {}
 
-    def _buf(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        n = 1
-        for s in shape:
-            n *= s
+    def _bytes(self, name: str, n: int, keep: int = 0) -> Tensor:
+        """A uint8 buffer of >= n bytes (its first `keep` bytes survive growing)."""
         buf = self._bufs.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = self._bufs[name] = torch.empty(max(n, 1), dtype=dtype, device=self.device)
-        return buf[:n].view(shape)
-
-    def send(self, t: Tensor) -> None:
-        dist.send(t.to(self.device).contiguous(), self.peer)
-
-    def recv(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        buf = self._buf(name, shape, dtype)
-        dist.recv(buf, self.peer)
+        if buf is None or buf.numel() < n:
+            grown = torch.empty(max(n, 64), dtype=torch.uint8, device=self.device)
+            if buf is not None and keep:
+                grown[:keep].copy_(buf[:keep])
+            buf = self._bufs[name] = grown
         return buf
 
-    def header(self, *values: int) -> Tensor:
-        return torch.tensor(list(values) + [0] * (HEADER - len(values)), dtype=torch.int64)
+    def _host_words(self, name: str, words: Tensor) -> Tensor:
+        """int64 host words staged where an asynchronous copy to the device may read them (pinned on CUDA)."""
+        if self.device.type != "cuda":
+            return words
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < words.numel():
+            buf = self._bufs[name] = torch.empty(max(words.numel(), 1024), dtype=torch.int64, pin_memory=True)
+        buf[:words.numel()].copy_(words)
+        return buf[:words.numel()]
+
+    def _pack(self, name: str, words: Tensor, payload: list[Tensor], capacity: int) -> tuple[Tensor, int]:
+        """Header + fields `words` (int64 host, header first) and `payload` tensors into one byte buffer;
+        -> (buffer, total bytes). The header's last word is set to the total."""
+        offsets, end = [], _aligned(8 * words.numel())
+        for t in payload:
+            offsets.append(end)
+            end = _aligned(end + t.numel() * t.element_size())
+        words[HEADER - 1] = end
+        buf = self._bytes(name, max(end, capacity))
+        buf[:8 * words.numel()].view(torch.int64).copy_(self._host_words(name + ".host", words), non_blocking=True)
+        for t, off in zip(payload, offsets):
+            n = t.numel() * t.element_size()
+            buf[off:off + n].view(t.dtype).view(t.shape).copy_(t)
+        return buf, end
+
+    def _send(self, buf: Tensor, total: int, capacity: int) -> None:
+        dist.send(buf[:capacity], self.peer)
+        if total > capacity:
+            dist.send(buf[capacity:total], self.peer)
+
+    def _recv(self, name: str, capacity: int, prefix: int) -> tuple[Tensor, list[int], Tensor]:
+        """One message (and its overflow) -> (buffer, header, the first `prefix` bytes as int64 host words)."""
+        buf = self._bytes(name, capacity)
+        dist.recv(buf[:capacity], self.peer)
+        words = buf[:prefix].to("cpu", copy=True).view(torch.int64)  # the one device -> host copy
+        total = int(words[HEADER - 1])
+        if total > capacity:
+            buf = self._bytes(name, total, keep=capacity)
+            dist.recv(buf[capacity:total], self.peer)
+        return buf, words[:HEADER].tolist(), words
+
+    @staticmethod
+    def view(buf: Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[Tensor, int]:
+        """A typed view of `buf` at `offset` -> (view, the next aligned offset)."""
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        return buf[offset:offset + n].view(dtype).view(shape), _aligned(offset + n)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -68,27 +121,29 @@ class VerifierEnd(StepChannel):
 
     def __init__(self, host: str, port: int, backend: str, device: torch.device, ctx_dim: int,
                  feature_dtype: torch.dtype, target_vocab: int) -> None:
-        super().__init__(0, host, port, backend, device)
+        super().__init__(0, host, port, backend, device, ctx_dim)
         self.ctx_dim, self.feature_dtype, self.target_vocab = ctx_dim, feature_dtype, target_vocab
 
     def propose(self, inp: DraftInput) -> DraftProposal:
-        """Three messages each way: a header, the int64 fields packed, then the float payload."""
+        """One message each way (plus an overflow message for a payload past the capacity)."""
         t0 = time.perf_counter()
         num_reqs, width = inp.block_table.shape
         num_ctx = int(inp.ctx_len.sum())
-        self.send(self.header(OP_PROPOSE, num_reqs, num_ctx, width))
         temp_bits = inp.temperature.float().view(torch.int32).to(torch.int64)
-        self.send(torch.cat([torch.stack([inp.anchors, inp.anchor_pos, inp.ctx_start, inp.ctx_len, inp.seeds,
-                                          temp_bits], 1), inp.block_table], 1))  # [R, 6 + W]
-        if num_ctx:
-            self.send(inp.features.to(self.feature_dtype))
-        h = self.recv("h", (HEADER,), torch.int64).tolist()
-        n, kind, k, has_conf, compute_us = h[1], h[2], h[3], h[4], h[5]
+        fields = torch.cat([torch.stack([inp.anchors, inp.anchor_pos, inp.ctx_start, inp.ctx_len, inp.seeds,
+                                         temp_bits], 1), inp.block_table], 1)  # [R, 6 + W]
+        head = torch.tensor([OP_PROPOSE, num_reqs, num_ctx, width] + [0] * (HEADER - 4), dtype=torch.int64)
+        feats = [inp.features.to(self.device, self.feature_dtype)] if num_ctx else []
+        buf, total = self._pack("out", torch.cat([head, fields.flatten()]), feats, self.capacity_to_draft)
+        self._send(buf, total, self.capacity_to_draft)
+        buf, h, _ = self._recv("in", self.capacity_to_verifier, 8 * HEADER)
+        n, kind, k, has_conf, compute_us = h[1:6]
         k_ids = k if kind == Q_TOPK else 0
-        ints = self.recv("ints", (num_reqs, n, 1 + k_ids), torch.int64).clone()
         q_width = {Q_TOPK: k, Q_DENSE: self.target_vocab}.get(kind, 0)
-        floats = self.recv("floats", (num_reqs, n, q_width + has_conf), torch.float32).clone() \
+        ints, off = self.view(buf, 8 * HEADER, torch.int64, (num_reqs, n, 1 + k_ids))
+        floats = self.view(buf, off, torch.float32, (num_reqs, n, q_width + has_conf))[0].clone() \
             if q_width + has_conf else None
+        ints = ints.clone()  # the buffer is the next step's
         probs = floats[..., :q_width] if kind == Q_DENSE else None
         cand_ids, cand_probs = (ints[..., 1:], floats[..., :k]) if kind == Q_TOPK else (None, None)
         conf = floats[..., -1] if has_conf else None
@@ -97,7 +152,9 @@ class VerifierEnd(StepChannel):
                              cand_ids=cand_ids, cand_probs=cand_probs)
 
     def stop(self) -> None:
-        self.send(self.header(OP_STOP))
+        head = torch.tensor([OP_STOP] + [0] * (HEADER - 1), dtype=torch.int64)
+        buf, total = self._pack("out", head, [], self.capacity_to_draft)
+        self._send(buf, total, self.capacity_to_draft)
 
 
 class DraftEnd(StepChannel):
@@ -105,36 +162,45 @@ class DraftEnd(StepChannel):
 
     def __init__(self, host: str, port: int, backend: str, device: torch.device, ctx_dim: int,
                  feature_dtype: torch.dtype) -> None:
-        super().__init__(1, host, port, backend, device)
+        super().__init__(1, host, port, backend, device, ctx_dim)
         self.ctx_dim, self.feature_dtype = ctx_dim, feature_dtype
 
     def serve(self, propose) -> None:
         """Loop until OP_STOP: one proposal per verify step."""
         while True:
-            h = self.recv("h", (HEADER,), torch.int64).tolist()
-            if h[0] == OP_STOP:
+            out = self._receive()
+            if out is None:
                 return
-            num_reqs, num_ctx, width = h[1], h[2], h[3]
-            ints = self.recv("ints", (num_reqs, 6 + width), torch.int64).cpu()
-            temp = ints[:, 5].to(torch.int32).view(torch.float32)
-            feats = self.recv("feats", (num_ctx, self.ctx_dim), self.feature_dtype) if num_ctx else None
             t0 = time.perf_counter()
-            out = propose(DraftInput(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], feats, ints[:, 6:], temp,
-                                     ints[:, 4]))
+            proposal = propose(out)
             if self.device.type == "cuda":  # compute time includes the device's: the rest is the channel's
                 torch.cuda.synchronize(self.device)
-            self._reply(out, int((time.perf_counter() - t0) * 1e6))
+            self._reply(proposal, int((time.perf_counter() - t0) * 1e6))
+
+    def _receive(self) -> DraftInput | None:
+        buf, h, words = self._recv("in", self.capacity_to_draft, min(HOST_PREFIX, self.capacity_to_draft))
+        if h[0] == OP_STOP:
+            return None
+        num_reqs, num_ctx, width = h[1:4]
+        n_words = HEADER + num_reqs * (6 + width)
+        if n_words > words.numel():  # many requests: the fields run past the prefix read
+            words = buf[:8 * n_words].to("cpu", copy=True).view(torch.int64)
+        ints = words[HEADER:n_words].view(num_reqs, 6 + width)
+        temp = ints[:, 5].to(torch.int32).view(torch.float32)
+        feats = self.view(buf, _aligned(8 * n_words), self.feature_dtype, (num_ctx, self.ctx_dim))[0] \
+            if num_ctx else None
+        return DraftInput(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], feats, ints[:, 6:], temp, ints[:, 4])
 
     def _reply(self, out: DraftProposal, compute_us: int) -> None:
         num_reqs, n = out.tokens.shape
         kind = Q_TOPK if out.cand_ids is not None else (Q_NONE if out.probs is None else Q_DENSE)
         k = out.cand_ids.shape[-1] if out.cand_ids is not None else 0
         has_conf = out.confidence_logits is not None
-        self.send(self.header(0, n, kind, k, int(has_conf), compute_us))
-        ints = [out.tokens[..., None]] + ([out.cand_ids] if kind == Q_TOPK else [])
-        self.send(torch.cat(ints, -1))  # [R, N, 1 (+ K)]
+        head = torch.tensor([0, n, kind, k, int(has_conf), compute_us, 0, 0], dtype=torch.int64)
+        ints = torch.cat([out.tokens[..., None]] + ([out.cand_ids] if kind == Q_TOPK else []), -1)  # [R, N, 1 (+ K)]
         floats = ([out.cand_probs.float()] if kind == Q_TOPK else []) + \
             ([out.probs.float()] if kind == Q_DENSE else []) + \
             ([out.confidence_logits.float()[..., None]] if has_conf else [])
-        if floats:
-            self.send(torch.cat(floats, -1))  # [R, N, K or V (+ 1)]
+        payload = [ints.to(self.device)] + ([torch.cat(floats, -1).to(self.device)] if floats else [])  # [R, N, K + 1]
+        buf, total = self._pack("out", head, payload, self.capacity_to_verifier)
+        self._send(buf, total, self.capacity_to_verifier)

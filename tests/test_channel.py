@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dspark_serve.actors.channel import DraftEnd, VerifierEnd, free_port
-from dspark_serve.engine.draft_side import DraftInput, DraftSide
+from dspark_serve.engine.draft_side import DraftInput, DraftProposal, DraftSide
 from dspark_serve.engine.spec_config import SpeculativeConfig
 from dspark_serve.models.random_init import tiny_pair
 
@@ -60,6 +60,58 @@ def test_remote_draft_proposes_what_a_local_draft_does(static):
             assert remote_out.cand_ids.shape == (3, 5, 8) and remote_out.probs is None
             assert same(remote_out.dense_probs(256), local_out.dense_probs(256))
             assert remote_out.transfer_ms > 0
+    finally:
+        end.stop()
+        end.close()
+        proc.join(30)
+    assert proc.exitcode == 0
+
+
+def _echo(inp: DraftInput, kind: str) -> DraftProposal:
+    """A proposal computed from every field of `inp` (the draft's side of the round-trip test)."""
+    r, n, v = inp.anchors.shape[0], 5, 256
+    base = inp.anchors + inp.anchor_pos + 2 * inp.ctx_start + 3 * inp.ctx_len + inp.seeds + inp.block_table.sum(1)
+    tokens = (base[:, None] + torch.arange(n)) % v  # [R, N]
+    feat = inp.features.double().sum().item() if inp.features is not None else 0.0
+    conf = feat * torch.arange(1, r + 1, dtype=torch.float32)[:, None] + torch.arange(n)  # [R, N]
+    logits = inp.temperature[:, None, None] * torch.arange(v)[None, None] / v + torch.arange(n)[None, :, None]
+    if kind == "dense":
+        return DraftProposal(tokens, torch.softmax(logits, -1), conf)
+    if kind == "topk":
+        probs, ids = torch.softmax(logits, -1).topk(8, -1)
+        return DraftProposal(tokens, None, conf, cand_ids=ids, cand_probs=probs)
+    return DraftProposal(tokens, None, None)
+
+
+def _echo_process(port: int, kind: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    end = DraftEnd("127.0.0.1", port, "gloo", torch.device("cpu"), 128, torch.float32)
+    end.serve(lambda inp: _echo(inp, kind))
+    end.close()
+
+
+@pytest.mark.parametrize("kind", ["dense", "topk", "greedy"])
+def test_channel_round_trips_messages_past_its_capacity(kind):
+    """Fields, features and q past the message capacity (and the draft's first host read) arrive exactly."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    port = free_port("127.0.0.1")
+    proc = mp.get_context("spawn").Process(target=_echo_process, args=(port, kind))
+    proc.start()
+    end = VerifierEnd("127.0.0.1", port, "gloo", torch.device("cpu"), 128, torch.float32, 256)
+    g = torch.Generator().manual_seed(0)
+    try:
+        for reqs, rows, width in [(1, 0, 2), (300, 200, 4), (2, 3, 1), (40, 9, 300)]:  # small, large, small, wide
+            ctx = torch.full((reqs,), rows // reqs) + (torch.arange(reqs) < rows % reqs)
+            inp = DraftInput(anchors=torch.randint(0, 250, (reqs,), generator=g), anchor_pos=torch.arange(reqs) + 50,
+                             ctx_start=torch.arange(reqs), ctx_len=ctx,
+                             features=torch.randn(rows, 128, generator=g) if rows else None,
+                             block_table=torch.randint(0, 999, (reqs, width), generator=g),
+                             temperature=torch.rand(reqs, generator=g), seeds=torch.randint(0, 2**40, (reqs,)))
+            got, want = end.propose(inp), _echo(inp, kind)
+            assert torch.equal(got.tokens, want.tokens)
+            for name in ("probs", "confidence_logits", "cand_ids", "cand_probs"):
+                a, b = getattr(got, name), getattr(want, name)
+                assert (a is None and b is None) or torch.equal(a, b), (name, reqs)
     finally:
         end.stop()
         end.close()
