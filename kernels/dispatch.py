@@ -23,6 +23,9 @@ GEMV_PRMT = os.environ.get("DSPARK_GEMV_PRMT", "1") == "1"
 # M <= 16 NVFP4 GEMVs on sm_90+ take the register-fed mma.sync kernel of w4a16_gemv_mma.py where K % 128 == 0 and
 # N % 16 == 0; DSPARK_GEMV_MMA=0 turns it off
 GEMV_MMA = os.environ.get("DSPARK_GEMV_MMA", "1") == "1"
+# An NVFP4 draft's q/k/v and gate/up run as one stacked GEMV each (models/nvfp4_linear.NVFP4Stack, a weight_scale_2
+# per row) at 2-16 rows on that kernel; DSPARK_NVFP4_STACK=0 runs them one by one
+NVFP4_STACK = os.environ.get("DSPARK_NVFP4_STACK", "1") == "1"
 # The target's batch-1 decode row runs the Triton dense GEMV of gemv_bf16.py instead of cuBLAS (8B plain step on an
 # H200: 4.52 instead of 4.82 ms, bench/RESULTS.md); DSPARK_DENSE_GEMV=0 turns it off
 DENSE_GEMV = os.environ.get("DSPARK_DENSE_GEMV", "1") == "1"

@@ -111,6 +111,17 @@ def mma_config(n: int, k: int, tiles: int = 2, num_warps: int = 4, warps_per_sm:
                       l2_fetch=l2_fetch, unroll=unroll)
 
 
+def stacked_mma_config(x: Tensor, n: int) -> GemvConfig | None:
+    """The mma config for x [M, K] against a stacked [N, K] NVFP4 weight (per-row weight_scale_2), or None where the
+    mma kernel does not take it (M outside 2..16, not bf16 on sm_90, the switch off, or the shape)."""
+    m, k = x.shape
+    if not (2 <= m <= 16 and dispatch.GEMV_MMA and dispatch.NVFP4_STACK and x.dtype == torch.bfloat16 and x.is_cuda and mma_fits(n, k)
+            and _has_bf16x2_mul(x.device)):
+        return None
+    cfg = default_gemv_config(m, n, k, mma_ok=True)
+    return cfg if cfg.mma else None
+
+
 def words_config(n: int, k: int, block_n: int, block_k: int, num_warps: int, num_sms: int = 132,
                  waves: int = 4) -> GemvConfig:
     """A words-kernel config whose split-K (a power of 2, at most one block_k step per split) gives at least

@@ -211,15 +211,17 @@ def _load_x(addr, ok):
 
 
 @triton.jit
-def _tile_out(acc, rows, t, out_addr, work_addr, M, N, stride_om, scale, LAST: tl.constexpr, ATOMIC: tl.constexpr,
-              TWO_B: tl.constexpr):
+def _tile_out(acc, rows, t, out_addr, work_addr, M, N, stride_om, scale, scale_2_ptr, LAST: tl.constexpr,
+              ATOMIC: tl.constexpr, TWO_B: tl.constexpr, ROW_SCALE: tl.constexpr):
     """A tile's accumulators -> bf16 out[m, n] (ATOMIC == 0), workspace partials (ATOMIC, not LAST) or, for the last
     split (LAST), the workspace's sums -> out, the workspace re-zeroed. acc i: n = rows + 8 * ((i // 2) % 2),
-    m = 2t + i % 2 + 8 * (i // 4)."""
+    m = 2t + i % 2 + 8 * (i // 4). ROW_SCALE: weight_scale_2 is per output row (stacked layers), read here."""
     for i in tl.static_range(8 if TWO_B else 4):
         m = 2 * t + (i % 2) + 8 * (i // 4)
         n = rows + 8 * ((i // 2) % 2)
         ok = ((m < M) & (n < N)).to(tl.int32)
+        if ROW_SCALE and not LAST:
+            scale = tl.load(scale_2_ptr + tl.minimum(n, N - 1)) * 4.611686018427388e18
         v = acc[i] * scale
         if not ATOMIC:
             tl.inline_asm_elementwise(STORE_BF16, "=r,f,l,r", [v, out_addr + (m.to(tl.int64) * stride_om + n) * 2, ok],
@@ -236,18 +238,18 @@ def _tile_out(acc, rows, t, out_addr, work_addr, M, N, stride_om, scale, LAST: t
 
 
 @triton.jit
-def _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, LAST: tl.constexpr, ATOMIC: tl.constexpr,
-               TWO_B: tl.constexpr, TILES: tl.constexpr):
-    _tile_out(acc_a, rows, t, o0, w0, M, N, stride_om, scale, LAST, ATOMIC, TWO_B)
+def _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, scale_2_ptr, LAST: tl.constexpr,
+               ATOMIC: tl.constexpr, TWO_B: tl.constexpr, TILES: tl.constexpr, ROW_SCALE: tl.constexpr):
+    _tile_out(acc_a, rows, t, o0, w0, M, N, stride_om, scale, scale_2_ptr, LAST, ATOMIC, TWO_B, ROW_SCALE)
     if TILES == 2:
-        _tile_out(acc_b, rows + 16, t, o0, w0, M, N, stride_om, scale, LAST, ATOMIC, TWO_B)
+        _tile_out(acc_b, rows + 16, t, o0, w0, M, N, stride_om, scale, scale_2_ptr, LAST, ATOMIC, TWO_B, ROW_SCALE)
 
 
 @triton.jit(do_not_specialize=["CHUNKS_PER_SPLIT", "SPLIT_K"])
 def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, count_ptr, M, N, K, stride_xm,
                      stride_om, CHUNKS_PER_SPLIT, SPLIT_K, TILES: tl.constexpr, WARPS: tl.constexpr,
                      TWO_B: tl.constexpr, ATOMIC: tl.constexpr, L2_AHEAD: tl.constexpr,
-                     L2_FETCH: tl.constexpr, UNROLL: tl.constexpr):
+                     L2_FETCH: tl.constexpr, UNROLL: tl.constexpr, ROW_SCALE: tl.constexpr):
     T: tl.constexpr = 32 * WARPS
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     lane = tl.arange(0, T)                                             # [T]: one value per thread, lane order
@@ -304,18 +306,21 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
     scale = tl.load(scale_2_ptr) * 4.611686018427388e18                # 2**62 undoes 2**-126 * 2**64
     o0 = out_ptr.to(tl.int64, bitcast=True)
     w0 = work_ptr.to(tl.int64, bitcast=True)
-    _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, False, ATOMIC, TWO_B, TILES)
+    _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, scale_2_ptr, False, ATOMIC, TWO_B, TILES,
+               ROW_SCALE)
     if ATOMIC:
         tl.debug_barrier()                                             # this program's partials all issued
         if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:   # the block's last split
-            _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, True, ATOMIC, TWO_B, TILES)
+            _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, scale_2_ptr, True, ATOMIC, TWO_B, TILES,
+                       ROW_SCALE)
             tl.store(count_ptr + pid_n, 0)
 
 
 def gemv_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, tiles: int = 2,
              warps: int = 4, split_k: int = 1, l2_ahead: int = 0, l2_fetch: int = 0, unroll: int = 1) -> Tensor:
     """x [M, K] (M <= 16, bf16, unit stride along K, K % 128 == 0) @ NVFP4 [N, K]^T -> bf16 [M, N] (N >= 16).
-    Arguments checked by w4a16_gemv; CUDA sm_90 only."""
+    weight_scale_2: a scalar, or one per output row [N] (layers stacked along N). Arguments checked by w4a16_gemv;
+    CUDA sm_90 only."""
     m, k = x.shape
     n = packed.shape[0]
     if x.data_ptr() % 16 or x.stride(0) % 8:     # 16-byte loads of x rows
@@ -336,8 +341,13 @@ def gemv_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Te
     split = triton.cdiv(chunks, per_split)
     blocks = triton.cdiv(n, 16 * tiles * warps)
     work, count = _workspace(x.device, n, blocks) if split > 1 else (out, out)
-    _gemv_mma_kernel[(blocks, split)](x, packed, weight_scale.view(torch.uint8), weight_scale_2.float().reshape(1),
+    row_scale = weight_scale_2.numel() > 1
+    if row_scale and weight_scale_2.numel() != n:
+        raise ValueError(f"weight_scale_2 must be a scalar or one per row ({n}), got {tuple(weight_scale_2.shape)}")
+    _gemv_mma_kernel[(blocks, split)](x, packed, weight_scale.view(torch.uint8),
+                                      weight_scale_2.float().reshape(-1).contiguous(),
                                       out, work, count, m, n, k, x.stride(0), out.stride(0), per_split, split,
                                       TILES=tiles, WARPS=warps, TWO_B=m > 8, ATOMIC=split > 1, L2_AHEAD=l2_ahead,
-                                      L2_FETCH=l2_fetch, UNROLL=unroll, num_warps=warps, num_stages=1)
+                                      L2_FETCH=l2_fetch, UNROLL=unroll, ROW_SCALE=row_scale, num_warps=warps,
+                                      num_stages=1)
     return out

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .nvfp4_linear import NVFP4Linear, NVFP4Stack
 
 
 class RMSNorm(nn.Module):
@@ -51,6 +52,7 @@ class Rotary(nn.Module):
 
 class MLP(nn.Module):
     _gate_up: Tensor | None = None  # set by fuse()
+    _gate_up_q4: NVFP4Stack | None = None  # set by fuse() for NVFP4 gate/up
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
@@ -66,21 +68,29 @@ class MLP(nn.Module):
         from dspark_serve.kernels.fused_ops import silu_mul
         from dspark_serve.kernels.gemv_bf16 import linear, linear_silu_mul
 
-        h = linear_silu_mul(x, self._gate_up) if self._gate_up is not None else \
-            silu_mul(torch.cat((self.gate_proj(x), self.up_proj(x)), -1))  # [T, I]
+        if self._gate_up is not None:
+            h = linear_silu_mul(x, self._gate_up)
+        else:
+            gate_up = self._gate_up_q4(x) if self._gate_up_q4 is not None else \
+                torch.cat((self.gate_proj(x), self.up_proj(x)), -1)
+            h = silu_mul(gate_up)  # [T, I]
         down = self.down_proj
         return linear(h, down.weight, down.bias) if type(down) is nn.Linear else down(h)
 
     def fuse(self) -> None:
-        """One [2I, hidden] weight for gate and up; their parameters become views into it (inference only)."""
+        """One [2I, hidden] weight for gate and up; their parameters become views into it (inference only). NVFP4
+        gate and up become one NVFP4Stack."""
         if self._gate_up is None and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
             self._gate_up = _concat_as_views([self.gate_proj.weight, self.up_proj.weight])
+        elif self._gate_up_q4 is None and _all_nvfp4(self.gate_proj, self.up_proj):
+            self._gate_up_q4 = NVFP4Stack([self.gate_proj, self.up_proj])
 
 
 class AttentionProjections(nn.Module):
     """q/k/v/o projections and the per-head q/k norms (Qwen3) or qkv biases (Qwen2), named as in HF."""
 
     _qkv: tuple[Tensor, Tensor | None] | None = None  # set by fuse()
+    _qkv_q4: NVFP4Stack | None = None  # set by fuse() for NVFP4 q/k/v
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -104,11 +114,14 @@ class AttentionProjections(nn.Module):
         return Rotary.apply(q, cos, sin)
 
     def fuse(self) -> None:
-        """One [q + 2 kv, hidden] weight (and bias) for q/k/v; their parameters become views into it (inference)."""
+        """One [q + 2 kv, hidden] weight (and bias) for q/k/v; their parameters become views into it (inference).
+        NVFP4 q/k/v become one NVFP4Stack."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if self._qkv is None and all(type(p) is nn.Linear for p in projs):
             bias = _concat_as_views([p.bias for p in projs]) if self.q_proj.bias is not None else None
             self._qkv = (_concat_as_views([p.weight for p in projs]), bias)
+        elif self._qkv_q4 is None and _all_nvfp4(*projs):
+            self._qkv_q4 = NVFP4Stack(list(projs))
 
     def qkv_fused(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
                   slot_mapping: Tensor) -> Tensor:
@@ -118,8 +131,12 @@ class AttentionProjections(nn.Module):
         from dspark_serve.kernels.gemv_bf16 import linear
 
         t, d = x.shape[0], self.head_dim
-        qkv = linear(x, *self._qkv) if self._qkv is not None else \
-            torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)  # [T, (H + 2 KV) * D]
+        if self._qkv is not None:
+            qkv = linear(x, *self._qkv)  # [T, (H + 2 KV) * D]
+        elif self._qkv_q4 is not None:
+            qkv = self._qkv_q4(x)
+        else:
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)
         q = qkv[:, :self.num_heads * d].view(t, self.num_heads, d)
         k = qkv[:, self.num_heads * d:(self.num_heads + self.num_kv_heads) * d].view(t, self.num_kv_heads, d)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * d:].view(t, self.num_kv_heads, d)
@@ -141,6 +158,10 @@ class AttentionProjections(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         return Rotary.apply(k, cos, sin), v
+
+
+def _all_nvfp4(*layers: nn.Module) -> bool:
+    return all(isinstance(m, NVFP4Linear) for m in layers)
 
 
 def _concat_as_views(params: list[Tensor]) -> Tensor:

@@ -109,3 +109,43 @@ def keep_dense_up_to(modules: Iterable[nn.Module], max_bytes: int, min_rows: int
     for m in layers:
         m.keep_dense(min_rows=min_rows)
     return need
+
+
+class NVFP4Stack:
+    """NVFP4 layers sharing an input (q/k/v, gate/up) as one [sum N, K] weight for the mma GEMV, which scales each
+    output row by its own layer's weight_scale_2; their buffers become views into the stack. Other shapes (one
+    row, more than 16, CPU) run the layers one by one and concatenate."""
+
+    def __init__(self, layers: list[NVFP4Linear]) -> None:
+        k = layers[0].in_features
+        if any(m.in_features != k for m in layers):
+            raise ValueError(f"stacked NVFP4 layers need one in_features, got {[m.in_features for m in layers]}")
+        self.layers = layers  # they stay where they are in the model (a plain object: nothing is registered twice)
+        self.out_features = sum(m.out_features for m in layers)
+        self.weight = _stack_as_views(layers, "weight")
+        self.weight_scale = _stack_as_views(layers, "weight_scale")
+        self.row_scale = torch.cat([m.weight_scale_2.float().expand(m.out_features) for m in layers])
+        if len({m.bias is None for m in layers}) > 1:
+            raise ValueError("stacked NVFP4 layers need a bias on all of them or on none")
+        self.bias = torch.cat([m.bias.detach() for m in layers]) if layers[0].bias is not None else None
+
+    def __call__(self, x: Tensor) -> Tensor:  # [T, K] -> [T, sum N]
+        from dspark_serve.kernels.w4a16_gemv import stacked_mma_config
+        cfg = stacked_mma_config(x, self.out_features)
+        if cfg is not None:
+            from dspark_serve.kernels.w4a16_gemv_mma import gemv_mma
+            out = gemv_mma(x, self.weight, self.weight_scale, self.row_scale, cfg.block_n // (16 * cfg.num_warps),
+                           cfg.num_warps, cfg.split_k, cfg.l2_ahead, cfg.l2_fetch, cfg.unroll)
+            return out if self.bias is None else out + self.bias
+        return torch.cat([layer(x) for layer in self.layers], -1)
+
+
+def _stack_as_views(layers: list[NVFP4Linear], name: str) -> Tensor:
+    """Concatenate the layers' buffer `name` along rows and re-point each layer's buffer at its rows."""
+    stacked = torch.cat([getattr(m, name) for m in layers])
+    start = 0
+    for m in layers:
+        n = m.out_features
+        setattr(m, name, stacked[start:start + n])
+        start += n
+    return stacked

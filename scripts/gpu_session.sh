@@ -23,6 +23,7 @@
 #   vmma2     random weights only: bench_gpu's 8B rows with DENSE_MMA off / on (+ lm_head), bench_step A/B
 #   dprof     random weights only: bench_gpu at the 8B shape, batch 1, with the NVFP4 draft block's kernel table
 #   head      random weights only: the 4-bit lm_head copy (GPU tests, bench_gpu 8B P3 rows, bench_step A/B)
+#   stack     random weights only: NVFP4 q/k/v and gate/up as one GEMV each (GPU tests, 8B draft rows, step A/B)
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -188,5 +189,14 @@ head)  # random weights: the 4-bit lm_head copy for NVFP4 drafts (tests; P3 at 8
             --json "$OUT/bench_step_head_$q.json" 2>&1 | grep -v Warn > "$OUT/bench_step_head_$q.log"
         echo "quantize_lm_head $q"; grep -A6 "==" "$OUT/bench_step_head_$q.log"
     done ;;
+stack)  # random weights: NVFP4 q/k/v and gate/up stacked (tests; the 8B draft block off / on; demo-shape step A/B)
+    timeout 240 python3 -P -m pytest -q -rf tests/gpu/test_gemv_mma_gpu.py tests/gpu/test_nvfp4_gpu.py \
+        tests/gpu/test_engine_gpu.py tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tail -4
+    for p in 0 1; do
+        DSPARK_NVFP4_STACK=$p timeout 150 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 20 \
+            --json "$OUT/bench_gpu_stack$p.json" 2>&1 | grep -v Warn > "$OUT/bench_gpu_stack$p.log"
+        echo "DSPARK_NVFP4_STACK=$p"; grep -A8 "fmt" "$OUT/bench_gpu_stack$p.log" | grep -v False
+    done
+    step_ab NVFP4_STACK stack ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

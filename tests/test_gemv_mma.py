@@ -60,15 +60,18 @@ def test_pair_x_matches_the_decode_order():
     assert got == [halves[i] | halves[i + 4] << 16 for i in range(4)]
 
 
-@pytest.mark.parametrize("m,n,k,split,fetch,unroll", [(1, 96, 512, 1, 0, 1), (7, 64, 1024, 4, 128, 1),
-                                                      (9, 4096, 256, 1, 256, 1), (16, 160, 384, 2, 0, 1),
-                                                      (8, 4096, 1024, 2, 128, 2), (1, 96, 512, 1, 0, 2)])
-def test_mma_kernel_compiles_without_shared_memory(m, n, k, split, fetch, unroll):
+@pytest.mark.parametrize("m,n,k,split,fetch,unroll,rows", [(1, 96, 512, 1, 0, 1, 0), (7, 64, 1024, 4, 128, 1, 0),
+                                                           (9, 4096, 256, 1, 256, 1, 0), (16, 160, 384, 2, 0, 1, 0),
+                                                           (8, 4096, 1024, 2, 128, 2, 0), (1, 96, 512, 1, 0, 2, 0),
+                                                           (7, 1280, 1024, 4, 128, 1, 1), (7, 1280, 1024, 1, 0, 2, 1)])
+def test_mma_kernel_compiles_without_shared_memory(m, n, k, split, fetch, unroll, rows):
+    """rows: weight_scale_2 per output row (stacked q/k/v or gate/up)."""
     x, packed = torch.randn(m, k).bfloat16(), torch.zeros(n, k // 2, dtype=torch.uint8)
     scale = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
     (fn, args, kw), = sass_loop.record_launches(mma, ("_gemv_mma_kernel",), lambda: mma.gemv_mma(
-        x, packed, scale, torch.ones(()), split_k=split, l2_fetch=fetch, unroll=unroll))
+        x, packed, scale, torch.ones(n) if rows else torch.ones(()), split_k=split, l2_fetch=fetch, unroll=unroll))
     assert kw["TWO_B"] == (m > 8) and kw["ATOMIC"] == (split > 1) and kw["UNROLL"] == unroll
+    assert kw["ROW_SCALE"] == bool(rows)
     kernel = sass_loop.compile_sm90(fn, args, kw)
     assert kernel.metadata.shared <= 16                               # split-K: the counter's broadcast only
     prof = sass_loop.profile("mma", kernel, 16 * 16 * kw["TILES"] * kw["WARPS"] * unroll, kw["WARPS"])
@@ -102,6 +105,8 @@ def test_configs_and_bad_shapes():
         g.w4a16_gemv(x, packed, scale, torch.ones(()), g.mma_config(64, 256))
     with pytest.raises(ValueError, match="mma kernel needs"):
         g.w4a16_gemv(x, packed, scale, torch.ones(()), g.GemvConfig(48, 128, mma=True))
+    with pytest.raises(ValueError, match="one per row"):
+        mma.gemv_mma(x, packed, scale, torch.ones(3))
     with pytest.raises(ValueError, match="unroll must be 1 or 2"):                    # 3 chunks, 2 per step
         mma.gemv_mma(torch.randn(3, 384).bfloat16(), torch.zeros(64, 192, dtype=torch.uint8),
                      torch.ones(64, 24).to(torch.float8_e4m3fn), torch.ones(()), unroll=2)

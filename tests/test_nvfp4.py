@@ -155,3 +155,26 @@ def test_kept_dense_copy_gives_the_dequant_path_bit_for_bit():
         assert torch.equal(dense_unit_matmul(x, lay._dense, lay.weight_scale_2), want)
         lay.keep_dense(False)
         assert lay._dense is None
+
+
+def test_nvfp4_stack_shares_the_layers_storage():
+    """NVFP4Stack: one [sum N, K] weight whose rows are the layers' own buffers (views), each row scaled by its
+    layer's weight_scale_2; off the mma path (here: CPU) it is the layers' outputs concatenated."""
+    from dspark_serve.models.nvfp4_linear import NVFP4Stack
+    torch.manual_seed(0)
+    layers = [NVFP4Linear.from_linear(torch.nn.Linear(64, n).requires_grad_(False)) for n in (48, 16, 16)]
+    for i, lay in enumerate(layers):
+        lay.weight_scale_2.mul_(2.0 ** i)  # distinct per-layer scales
+    x = torch.randn(5, 64)
+    want = torch.cat([lay(x) for lay in layers], -1)
+    stack = NVFP4Stack(layers)
+    assert stack.weight.shape == (80, 32) and stack.weight_scale.shape == (80, 4) and stack.out_features == 80
+    for lay, start in zip(layers, (0, 48, 64)):
+        assert lay.weight.data_ptr() == stack.weight[start].data_ptr()
+        assert lay.weight_scale.data_ptr() == stack.weight_scale[start].data_ptr()
+        assert torch.equal(stack.row_scale[start:start + lay.out_features], lay.weight_scale_2.expand(lay.out_features))
+    assert torch.equal(stack(x), want) and torch.equal(torch.cat([lay(x) for lay in layers], -1), want)
+    with pytest.raises(ValueError, match="one in_features"):
+        NVFP4Stack([NVFP4Linear(64, 16), NVFP4Linear(32, 16)])
+    with pytest.raises(ValueError, match="bias"):
+        NVFP4Stack([NVFP4Linear(64, 16, bias=True), NVFP4Linear(64, 16)])

@@ -87,3 +87,33 @@ def test_split_k_in_a_cuda_graph():
         torch.cuda.synchronize()
         assert ((out.double() - ref).norm() / ref.norm()).item() <= 1e-2
         assert ((out.double() - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_row_scales_of_stacked_layers_are_exact(split):
+    """A per-row weight_scale_2 (layers stacked along N): one-hot x reads single weights, each scaled by its own
+    layer's scale, exactly; with and without split-K."""
+    from dspark_serve.kernels.w4a16_gemv_mma import gemv_mma
+    parts = [_weights(n, 512) for n in (96, 32, 32)]
+    parts[1] = (parts[1][0], parts[1][1], parts[1][2] * 3.0)               # scales apart by more than rounding
+    packed, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    rows = torch.cat([p[2].float().expand(p[0].shape[0]) for p in parts])
+    want = torch.cat([nvfp4.dequantize(*p, dtype=torch.float32) for p in parts]).to(torch.bfloat16)   # [N, K]
+    for k0 in range(0, 512, 16):
+        x = torch.zeros(16, 512, device=DEV, dtype=torch.bfloat16)
+        x[torch.arange(16), k0 + torch.arange(16)] = 1.0
+        got = gemv_mma(x, packed, scale, rows, 2, 2, split)
+        assert torch.equal(got, want[:, k0:k0 + 16].T), f"K {k0}..{k0 + 15}"
+
+
+@pytest.mark.parametrize("m", [2, 7, 8, 16])
+def test_nvfp4_stack_vs_fp64_and_its_layers(m):
+    """NVFP4Stack on the mma path: within bf16 rounding of the fp64 reference and of the layers run one by one."""
+    from dspark_serve.models.nvfp4_linear import NVFP4Linear, NVFP4Stack
+    layers = [NVFP4Linear.from_tensors(*_weights(n, 1024)) for n in (1024, 256, 256)]
+    x = torch.randn(m, 1024, device=DEV).to(torch.bfloat16)
+    ref = torch.cat([x.double() @ lay.dequantized_weight(torch.float64).T for lay in layers], -1)
+    alone = torch.cat([lay(x) for lay in layers], -1).double()
+    got = NVFP4Stack(layers)(x).double()
+    assert ((got - ref).norm() / ref.norm()).item() <= 1e-2
+    assert (got - alone).abs().max() <= 2 ** -7 * alone.abs().max()  # split-K order and one bf16 rounding apart
