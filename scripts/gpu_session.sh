@@ -24,6 +24,7 @@
 #   dprof     random weights only: bench_gpu at the 8B shape, batch 1, with the NVFP4 draft block's kernel table
 #   head      random weights only: the 4-bit lm_head copy (GPU tests, bench_gpu 8B P3 rows, bench_step A/B)
 #   stack     random weights only: NVFP4 q/k/v and gate/up as one GEMV each (GPU tests, 8B draft rows, step A/B)
+#   pairq     the pair at batch 1 against compiled generate, then again with dspark_quantize_lm_head (no baseline)
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -198,5 +199,13 @@ stack)  # random weights: NVFP4 q/k/v and gate/up stacked (tests; the 8B draft b
         echo "DSPARK_NVFP4_STACK=$p"; grep -A8 "fmt" "$OUT/bench_gpu_stack$p.log" | grep -v False
     done
     step_ab NVFP4_STACK stack ;;
+pairq)  # the pair at batch 1 against compiled generate (defaults), then with dspark_quantize_lm_head
+    timeout 240 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 16 \
+        --accept-batch 16 --max-tokens 256 --speed-prompts 8 --hf-baseline --json "$OUT/bench_pair.json" 2>&1 \
+        | tee "$OUT/bench_pair.log" | grep -v Warn | tail -3
+    timeout 150 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 16 \
+        --accept-batch 16 --max-tokens 256 --speed-prompts 8 --json "$OUT/bench_pair_head.json" \
+        --speculative-config '{"dspark_draft_topk": 64, "dspark_quantize_lm_head": true}' 2>&1 \
+        | tee "$OUT/bench_pair_head.log" | grep -v Warn | tail -3 ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac
