@@ -17,6 +17,10 @@ class RemoteDraft:
         self.end, self.num_speculative_tokens, self.query_len = end, num_speculative_tokens, query_len
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.device = end.device
+        # As DraftSide: the next step's draft is asked for right after this step's accept, so that the step launched
+        # ahead (its verify) runs on the device while the host does this step's bookkeeping (engine/spec_step.py)
+        self.draft_ahead = self.device.type == "cuda"
+        self.ahead = None
 
     def propose(self, inp: DraftInput) -> DraftProposal:
         return self.end.propose(inp)

@@ -14,14 +14,14 @@ from dspark_serve.models.random_init import tiny_pair
 SPEC = {"dspark_draft_topk": 8}
 
 
-def _side() -> DraftSide:
-    _, draft = tiny_pair(seed=6, block_size=5, dtype=torch.float32)
-    return DraftSide(draft, 64, 8, SpeculativeConfig.from_json(SPEC), 256)
+def _side(agree: float | None = None, spec: dict = SPEC) -> DraftSide:
+    _, draft = tiny_pair(seed=6, block_size=5, dtype=torch.float32, agree=agree)
+    return DraftSide(draft, 64, 8, SpeculativeConfig.from_json(spec), 256)
 
 
-def _draft_process(port: int, static: bool) -> None:
+def _draft_process(port: int, static: bool, agree: float | None = None, spec: dict = SPEC) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    side = _side()
+    side = _side(agree, spec)
     if static:  # the path a GPU draft actor takes (CUDA graphs there; eager here)
         side.use_static_shapes(max_model_len=64)
     end = DraftEnd("127.0.0.1", port, "gloo", torch.device("cpu"), side.model.config.context_dim, torch.float32)
@@ -117,3 +117,41 @@ def test_channel_round_trips_messages_past_its_capacity(kind):
         end.close()
         proc.join(30)
     assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_engine_with_a_remote_draft_equals_the_local_one(ahead, monkeypatch):
+    """The engine over the channel (RemoteDraft) gives the in-process engine's tokens and acceptance, greedy and
+    seeded sampling, with and without drafting and launching ahead (what a GPU verifier does)."""
+    from dspark_serve.actors.remote_draft import RemoteDraft
+    from dspark_serve.engine import spec_step as spec_step_module
+    from dspark_serve.engine.llm import LLM
+    from dspark_serve.engine.sampling_params import SamplingParams
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    port = free_port("127.0.0.1")
+    proc = mp.get_context("spawn").Process(target=_draft_process, args=(port, False, 0.002, {}))
+    proc.start()
+    end = VerifierEnd("127.0.0.1", port, "gloo", torch.device("cpu"), 128, torch.float32, 256)
+    target, draft = tiny_pair(seed=6, block_size=5, dtype=torch.float32, agree=0.002)
+    taken = []
+    drafted = spec_step_module._drafted_ahead
+    monkeypatch.setattr(spec_step_module, "_drafted_ahead", lambda *a: taken.append(drafted(*a)) or taken[-1])
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [30, 31, 32, 33, 34, 35, 36]]
+    params = [SamplingParams(temperature=t, max_tokens=14, seed=i, ignore_eos=True) for i, t in enumerate((0, .8, 1))]
+    try:
+        remote = RemoteDraft(end, draft.config.num_speculative_tokens, draft.config.query_len, 64, 8)
+        llm = LLM(target, None, {}, device="cpu", block_size=8, num_kv_blocks=64, draft_side=remote,
+                  capture_layers=draft.config.target_layer_ids)
+        local = LLM(target, draft, {}, device="cpu", block_size=8, num_kv_blocks=64)
+        for engine in (llm, local):
+            engine.draft.draft_ahead = engine.target.step_ahead = ahead
+        got, want = llm.generate(prompts, params), local.generate(prompts, params)
+    finally:
+        end.stop()
+        end.close()
+        proc.join(30)
+    assert proc.exitcode == 0
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids and a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
+    assert sum(o.stats["accepted"] for o in got) > 0
+    assert (sum(p is not None for p in taken) > 0) == ahead
