@@ -111,15 +111,21 @@ def mma_config(n: int, k: int, tiles: int = 2, num_warps: int = 4, warps_per_sm:
                       l2_fetch=l2_fetch, unroll=unroll)
 
 
-def stacked_mma_config(x: Tensor, n: int) -> GemvConfig | None:
-    """The mma config for x [M, K] against a stacked [N, K] NVFP4 weight (per-row weight_scale_2), or None where the
-    mma kernel does not take it (M outside 2..16, not bf16 on sm_90, the switch off, or the shape)."""
-    m, k = x.shape
-    if not (2 <= m <= 16 and dispatch.GEMV_MMA and dispatch.NVFP4_STACK and x.dtype == torch.bfloat16 and x.is_cuda and mma_fits(n, k)
-            and _has_bf16x2_mul(x.device)):
+def stacked_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, row_scale: Tensor) -> Tensor | None:
+    """x [M, K] @ layers stacked along N (packed [N, K/2], weight_scale [N, K/16], row_scale [N] fp32: each row's
+    layer's weight_scale_2) -> bf16 [M, N] on the mma kernel, or None where it does not take them (M outside 2..16,
+    not bf16 on sm_90, DSPARK_GEMV_MMA / DSPARK_NVFP4_STACK off, or the shape): the caller runs the layers then."""
+    (m, k), n = x.shape, packed.shape[0]
+    if not (2 <= m <= 16 and dispatch.GEMV_MMA and dispatch.NVFP4_STACK and x.dtype == torch.bfloat16
+            and x.is_cuda and mma_fits(n, k) and _has_bf16x2_mul(x.device)):
         return None
     cfg = default_gemv_config(m, n, k, mma_ok=True)
-    return cfg if cfg.mma else None
+    return _run_mma(x, packed, weight_scale, row_scale, cfg) if cfg.mma else None
+
+
+def _run_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, cfg: GemvConfig) -> Tensor:
+    return gemv_mma(x.to(torch.bfloat16), packed, weight_scale, weight_scale_2, cfg.block_n // (16 * cfg.num_warps),
+                    cfg.num_warps, cfg.split_k, cfg.l2_ahead, cfg.l2_fetch, cfg.unroll)
 
 
 def words_config(n: int, k: int, block_n: int, block_k: int, num_warps: int, num_sms: int = 132,
@@ -281,8 +287,7 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
                              f"K % (128 x unroll) == 0, N % 16 == 0 and block_n = 16 x (1 or 2) x num_warps")
         if not (x.is_cuda and _has_bf16x2_mul(x.device)):
             raise ValueError("the mma GEMV kernel runs on CUDA sm_90+ only")
-        return gemv_mma(x.to(torch.bfloat16), packed, weight_scale, weight_scale_2, tiles, cfg.num_warps,
-                        cfg.split_k, cfg.l2_ahead, cfg.l2_fetch, cfg.unroll)
+        return _run_mma(x, packed, weight_scale, weight_scale_2, cfg)
     if cfg.words and m > 16:
         raise ValueError(f"the words kernel handles M <= 16, got M = {m} ({cfg})")
     if cfg.words:

@@ -98,10 +98,9 @@ class NVFP4Linear(nn.Module):
 
 
 def keep_dense_up_to(modules: Iterable[nn.Module], max_bytes: int, min_rows: int = 17) -> int:
-    """keep_dense(min_rows=min_rows) on every NVFP4Linear among `modules` that has no dense weight yet
-    (use_source_from) when their bf16 copies fit in
-    `max_bytes` together (a small draft then runs at bf16 speed from min_rows rows on); -> the bytes kept (0 when
-    they do not fit)."""
+    """keep_dense(min_rows=min_rows) on every NVFP4Linear among `modules` without a dense weight yet (see
+    use_source_from) when their bf16 copies fit in `max_bytes` together (a small draft then runs at bf16 speed from
+    min_rows rows on); -> the bytes kept (0 when they do not fit)."""
     layers = [m for m in modules if isinstance(m, NVFP4Linear) and getattr(m, "_dense", None) is None]
     need = sum(2 * m.in_features * m.out_features for m in layers)
     if not layers or need > max_bytes:
@@ -130,14 +129,13 @@ class NVFP4Stack:
         self.bias = torch.cat([m.bias.detach() for m in layers]) if layers[0].bias is not None else None
 
     def __call__(self, x: Tensor) -> Tensor:  # [T, K] -> [T, sum N]
-        from dspark_serve.kernels.w4a16_gemv import stacked_mma_config
-        cfg = stacked_mma_config(x, self.out_features)
-        if cfg is not None:
-            from dspark_serve.kernels.w4a16_gemv_mma import gemv_mma
-            out = gemv_mma(x, self.weight, self.weight_scale, self.row_scale, cfg.block_n // (16 * cfg.num_warps),
-                           cfg.num_warps, cfg.split_k, cfg.l2_ahead, cfg.l2_fetch, cfg.unroll)
-            return out if self.bias is None else out + self.bias
-        return torch.cat([layer(x) for layer in self.layers], -1)
+        out = None
+        if x.is_cuda:
+            from dspark_serve.kernels.w4a16_gemv import stacked_gemv
+            out = stacked_gemv(x, self.weight, self.weight_scale, self.row_scale)
+        if out is None:
+            return torch.cat([layer(x) for layer in self.layers], -1)
+        return out if self.bias is None else out + self.bias
 
 
 def _stack_as_views(layers: list[NVFP4Linear], name: str) -> Tensor:
