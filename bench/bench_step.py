@@ -213,6 +213,11 @@ def main(argv: list[str] | None = None) -> dict:
         result[name]["timeline"] = timeline(llm, prompt, args.tokens)
         if name == "spec":
             result[name]["draft_graphs"] = graph_costs(llm.draft.graphs._runners, args.device)
+            chain = {False: [], True: []}  # the draft chained behind the verify launched ahead, off / on, alternated
+            for on in (False, True, False, True):
+                llm.draft.chain_ahead = on and args.device == "cuda"
+                chain[on].append(ms_per_step(llm, prompt, args.tokens)[0])
+            result[name]["ms_per_step_chain_off_on"] = [chain[False], chain[True]]
         result[name]["host_profile"] = host_profile(llm, prompt, args.tokens, args.top, args.sort)
         if args.kernels and args.device == "cuda":
             result[name]["kernels"] = kernel_table(llm, prompt, args.tokens, args.kernels)
@@ -221,6 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"== {name}: {r['ms_per_step']:.3f} ms/step over {r['steps']} steps "
               f"({r['ms_per_step_without_step_ahead']:.3f} without launching the next step ahead)")
         print(f"   garbage collector during the timed run: {r['gc_pauses']} pauses, {r['gc_ms']:.1f} ms")
+        if "ms_per_step_chain_off_on" in r:
+            off, on = r["ms_per_step_chain_off_on"]
+            print(f"   draft chained behind the verify: off {off[0]:.3f} / {off[1]:.3f}, on {on[0]:.3f} / {on[1]:.3f} "
+                  "ms/step (alternated)")
         print("   per step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["timeline"].items()))
         for kind in ("target_graphs", "draft_graphs"):
             for key, c in r.get(kind, {}).items():

@@ -74,6 +74,45 @@ class DraftGraphs:
         return replace(out, **{f.name: getattr(out, f.name)[:r] for f in fields(out)
                                if isinstance(getattr(out, f.name), Tensor)})
 
+    @torch.inference_mode()
+    def propose_chained(self, packed: Tensor, anchor_pos: list[int], n: list[int], tables: list[list[int]],
+                        temperature: Tensor, seeds: list[int], need_q: bool, shape: tuple[int, int],
+                        feats: list[Tensor]) -> "DraftProposal":
+        """The proposal of the step after a verify still on the device: packed [R, 1 + W] is its accept (accepted
+        count a, then the output tokens), read there. Request r's anchor becomes its output token a at
+        anchor_pos[r] + a + 1; its context is that verify's n[r] + 1 feature rows feats[r] at anchor_pos[r].. (the
+        rows past a land where the new block writes first)."""
+        b, c = shape
+        r = len(anchor_pos)
+        flat = torch.cat(feats) if len(feats) > 1 else feats[0]
+        self.feats[:flat.shape[0]].copy_(flat, non_blocking=True)
+        context = (tables, list(anchor_pos), [k + 1 for k in n])
+        self.ints.upload(self._layout([0] * r, anchor_pos, tables, seeds, b, c, context))  # anchors: set below
+        if need_q:
+            self.temps.upload(temperature.tolist() + [0.0] * (b - r))
+        self._advance(packed, r, b, c)
+        key = (b, c, need_q)
+        if key not in self._runners:
+            self._runners[key] = self._build(b, c, need_q)
+        out = self._runners[key]()
+        return replace(out, **{f.name: getattr(out, f.name)[:r] for f in fields(out)
+                               if isinstance(getattr(out, f.name), Tensor)})
+
+    def _advance(self, packed: Tensor, r: int, b: int, c: int) -> None:
+        """On the device: the first r rows' anchors, anchor positions, sequence lengths, block positions and slots
+        moved past the accepted tokens of `packed` (the layout holds the verify's anchor positions)."""
+        d, ql, w = self.dev, self.ql, c // self.bs
+        a = packed[:, 0]
+        pos = d[b:b + r] + a + 1  # [R]
+        block = pos[:, None] + torch.arange(ql, device=d.device)  # [R, ql]
+        table = d[4 * b + 2 * b * ql + 2 * b * self.cr:][:b * w].view(b, w)[:r]
+        d[:r] = packed.gather(1, (a + 1)[:, None])[:, 0]
+        d[b:b + r] = pos
+        d[3 * b:3 * b + r] = pos + ql
+        d[4 * b:4 * b + r * ql] = block.flatten()
+        slots = table.gather(1, block // self.bs) * self.bs + block % self.bs  # [R, ql]
+        d[4 * b + b * ql:4 * b + b * ql + r * ql] = slots.flatten()
+
     def _layout(self, anchors: list[int], anchor_pos: list[int], tables: list[list[int]], seeds: list[int], b: int,
                 c: int, context: tuple[list[list[int]], list[int], list[int]] = ([], [], [])) -> list[int]:
         """[anchors b | anchor_pos b | seeds b | seq_lens b | positions b*ql | slots b*ql | context positions b*cr |

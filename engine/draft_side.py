@@ -116,6 +116,9 @@ class DraftSide:
         # Draft the next step right after this step's accept (before the bookkeeping), so the host work between
         # steps overlaps the draft on the device; the next step takes it if its batch is the one predicted.
         self.draft_ahead = self.device.type == "cuda"
+        # ... and with graphs, the one after the step launched ahead is queued behind it (engine/draft_chain.py)
+        self.chain_ahead = self.device.type == "cuda"
+        self.chained: tuple[Tensor, DraftProposal] | None = None
         self.ahead: tuple[list[tuple[Request, int, int]], DraftProposal] | None = None
         self._scatter_cols = torch.arange(cfg.draft_vocab_size, device=self.device) + model.d2t.to(self.device)
         self._w2_nvfp4 = model.markov_head is not None and isinstance(model.markov_head.markov_w2, NVFP4Linear)
@@ -159,6 +162,17 @@ class DraftSide:
         base = m.base_logits(hidden)  # [R, N, V_draft]
         return self._markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
                                  inp.anchor_pos.to(dev), need_q)
+
+    def propose_chained(self, packed: Tensor, anchor_pos: list[int], n: list[int], tables: list[list[int]],
+                        temperature: list[float], seeds: list[int], feats: list[Tensor]) -> DraftProposal | None:
+        """DraftGraphs.propose_chained, when a bucket takes the step at its furthest (every draft accepted)."""
+        g = self.graphs
+        shape = g.shape_for([p + k + 1 for p, k in zip(anchor_pos, n)]) if g is not None else None
+        if shape is None or not g.fits_context(sum(k + 1 for k in n), shape):
+            return None
+        temps = torch.tensor(temperature, dtype=torch.float32)
+        need_q = self.spec.draft_sample_method != "greedy" and bool((temps >= 1e-5).any())
+        return g.propose_chained(packed, anchor_pos, n, tables, temps, seeds, need_q, shape, feats)
 
     def _write_context(self, features: Tensor, tables: list[list[int]], starts: list[int], lens: list[int]) -> None:
         """Eagerly: context K/V of lens[i] new rows at positions starts[i].. (features [sum(lens), F])."""

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from .draft_chain import chain_draft, take_chained
 from .draft_side import DraftProposal, DraftSide, draft_input
 from .rejection import verify_greedy, verify_mixed
 from .request import Request
@@ -36,6 +37,8 @@ class Launched:
     draft_ms: float
     launched_at: float  # perf_counter once the draft was in hand
     key: list[tuple] = ()  # launched ahead: per request the (anchor_pos, num_computed, anchor) it assumed
+    host: Tensor | None = None  # on CUDA: `packed` copied to pinned memory as the accept ends ...
+    ready: torch.cuda.Event | None = None  # ... and its event, so that reading it waits for nothing queued later
 
 
 def _region(name: str):
@@ -150,7 +153,11 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
         done.update(_finish(fresh, range(len(rest)), max_drafts))
     new_tokens = [done[r][0] for r in reqs]
     if getattr(draft, "draft_ahead", False):
-        _draft_ahead(draft, reqs, new_tokens, max_drafts)
+        chained = take_chained(draft, ahead, rows, reqs)
+        if chained is not None:  # queued on the device behind the verify just read
+            draft.ahead = ([(r, r.num_tokens - 1 + len(t), r.num_computed) for r, t in zip(reqs, new_tokens)], chained)
+        else:
+            _draft_ahead(draft, reqs, new_tokens, max_drafts)
     if getattr(target, "step_ahead", False):
         _step_ahead(target, draft, reqs, new_tokens, spec, max_drafts)
     return StepResult(new_tokens, [done[r][1] for r in reqs], [done[r][2] for r in reqs])
@@ -175,7 +182,7 @@ def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], sp
         logits, feats, accept = target.verify(reqs, drafts, n, anchors)
     hints = verify_hints(reqs)
     if not hints["any_sampled"] and accept is not None:  # every row greedy, and the graph verified them
-        return Launched(reqs, proposal, n, feats, accept, (t1 - t0) * 1e3, t1)
+        return Launched(reqs, proposal, n, feats, accept, (t1 - t0) * 1e3, t1, **_host_copy(accept))
     if drafts is None:
         drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
     width = logits.shape[1] - 1
@@ -191,14 +198,27 @@ def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], sp
         else:  # every row greedy: no sampling parameters, no q
             result = verify_greedy(drafts[:, :width], to_device(n, torch.int64, dev), logits)
         packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1)  # [R, 2 + width]
-    return Launched(reqs, proposal, n, feats, packed, (t1 - t0) * 1e3, t1)
+    return Launched(reqs, proposal, n, feats, packed, (t1 - t0) * 1e3, t1, **_host_copy(packed))
+
+
+def _host_copy(packed: Tensor) -> dict:
+    """Launched's host / ready: on CUDA the accept is copied to pinned memory as soon as it is computed."""
+    if not packed.is_cuda:
+        return {}
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return {"host": host, "ready": ready}
 
 
 def _finish(launched: Launched, rows, max_drafts: int) -> dict[Request, tuple[list[int], int, int]]:
     """Read the accept counts (the step's host sync) and commit `rows` of the launch: request -> (its new tokens,
     accepted drafts, verified drafts)."""
     with _region("dspark.accept"):
-        packed = launched.packed.tolist()
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        packed = (launched.host if launched.host is not None else launched.packed).tolist()
     t = time.perf_counter()
     out = {}
     for i in rows:
@@ -237,6 +257,8 @@ def _step_ahead(target: TargetSide, draft: DraftSide | None, reqs: list[Request]
     anchors = [t[-1] for t in new_tokens]
     launched = _launch(target, draft, reqs, spec, proposal, anchors, pos, remaining)
     target.ahead = replace(launched, key=[(p, r.num_computed, a) for r, p, a in zip(reqs, pos, anchors)])
+    if proposal is not None:
+        chain_draft(draft, target.ahead, pos)
 
 
 def _take_ahead(target: TargetSide, reqs: list[Request]) -> tuple[Launched | None, dict[Request, int]]:

@@ -25,6 +25,7 @@
 #   head      random weights only: the 4-bit lm_head copy (GPU tests, bench_gpu 8B P3 rows, bench_step A/B)
 #   stack     random weights only: NVFP4 q/k/v and gate/up as one GEMV each (GPU tests, 8B draft rows, step A/B)
 #   pairq     the pair at batch 1 against compiled generate, then again with dspark_quantize_lm_head (no baseline)
+#   chain     random weights only: the draft chained behind the verify launched ahead (GPU tests, bench_step A/B)
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -207,5 +208,10 @@ pairq)  # the pair at batch 1 against compiled generate (defaults), then with ds
         --accept-batch 16 --max-tokens 256 --speed-prompts 8 --json "$OUT/bench_pair_head.json" \
         --speculative-config '{"dspark_draft_topk": 64, "dspark_quantize_lm_head": true}' 2>&1 \
         | tee "$OUT/bench_pair_head.log" | grep -v Warn | tail -3 ;;
+chain)  # random weights: the draft chained behind the verify launched ahead (engine GPU tests; bench_step off / on)
+    timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_engine_gpu.py tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tail -3
+    timeout 200 python3 bench/bench_step.py --json "$OUT/bench_step_chain.json" 2>&1 | grep -v Warn \
+        > "$OUT/bench_step_chain.log"
+    grep -A8 "==" "$OUT/bench_step_chain.log" | grep -v "^ *[0-9]* function\|^$" ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac

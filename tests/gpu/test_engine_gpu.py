@@ -40,3 +40,28 @@ def test_seeded_sampling_matches_cpu():
     # fp64 models: the keyed noise is bit-identical, so tokens agree unless a Gumbel race is within rounding
     same = sum(a == b for a, b in zip(outs["cpu"], outs["cuda"]))
     assert same >= 3, outs
+
+
+def test_chained_draft_on_cuda_changes_no_output(monkeypatch):
+    """The draft chained behind the verify launched ahead (the CUDA default): the same tokens and acceptance as
+    without it, greedy and seeded sampling, in CUDA graphs; and it is really taken."""
+    from dspark_serve.engine import spec_step as spec_step_module
+    taken = []
+    take = spec_step_module.take_chained
+    monkeypatch.setattr(spec_step_module, "take_chained", lambda *a: taken.append(take(*a)) or taken[-1])
+    target, draft = tiny_pair(seed=3, agree=0.002, block_size=6)
+    with torch.no_grad():
+        draft.norm.weight.fill_(1.0)  # the block's hidden (the verify's features in its context) reaches the logits
+    target, draft = target.cuda(), draft.cuda()
+    prompts = _prompts(6)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=20) for i in range(len(prompts))]
+    outs = {}
+    for chain in (False, True):
+        llm = LLM(target, draft, device="cuda", block_size=8, num_kv_blocks=512, max_num_seqs=2)
+        assert llm.draft.chain_ahead and llm.draft.graphs is not None
+        llm.draft.chain_ahead = chain
+        taken.clear()
+        outs[chain] = llm.generate(prompts, params)
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids and a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
+    assert sum(p is not None for p in taken) > len(taken) // 2
