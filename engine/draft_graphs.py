@@ -5,7 +5,8 @@ K/V goes to the draft cache's trash slot, their proposals are dropped). The cont
 `batch * (query_len + 1)` new rows (a decode step brings at most the accepted drafts plus the anchor), copied
 into a static feature buffer and padded with rows bound for the trash slot; a larger one (the first step after
 a prefill) is written eagerly before the graph. Greedy-only and sampling steps are separate graphs (a sampling
-step also returns q). On CPU the static path runs eagerly.
+step also returns q). `propose_chained` stages a step whose anchors and positions the previous verify's accept
+sets on the device (engine/draft_chain.py). On CPU the static path runs eagerly.
 """
 
 from __future__ import annotations
@@ -67,12 +68,7 @@ class DraftGraphs:
         self.ints.upload(self._layout(anchors, anchor_pos, tables, seeds, b, c, context))
         if need_q:  # greedy-only graphs never read the temperatures
             self.temps.upload(temperature.tolist() + [0.0] * (b - len(anchors)))
-        key = (b, c, need_q)
-        if key not in self._runners:
-            self._runners[key] = self._build(b, c, need_q)
-        out, r = self._runners[key](), len(anchors)
-        return replace(out, **{f.name: getattr(out, f.name)[:r] for f in fields(out)
-                               if isinstance(getattr(out, f.name), Tensor)})
+        return self._run(b, c, need_q, len(anchors))
 
     @torch.inference_mode()
     def propose_chained(self, packed: Tensor, anchor_pos: list[int], n: list[int], tables: list[list[int]],
@@ -91,6 +87,10 @@ class DraftGraphs:
         if need_q:
             self.temps.upload(temperature.tolist() + [0.0] * (b - r))
         self._advance(packed, r, b, c)
+        return self._run(b, c, need_q, r)
+
+    def _run(self, b: int, c: int, need_q: bool, r: int) -> "DraftProposal":
+        """The bucket's graph (built on first use) on the staged inputs -> the proposal of its first r rows."""
         key = (b, c, need_q)
         if key not in self._runners:
             self._runners[key] = self._build(b, c, need_q)
