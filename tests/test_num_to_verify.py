@@ -6,7 +6,7 @@ from dspark_serve.engine.draft_side import DraftProposal
 from dspark_serve.engine.request import Request
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.engine.spec_config import SpeculativeConfig
-from dspark_serve.engine.spec_step import _cap_tokens, num_to_verify
+from dspark_serve.engine.verify_budget import _cap_tokens, num_to_verify
 
 
 def _reqs(n: int, drafts: int = 4) -> list[Request]:
