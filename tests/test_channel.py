@@ -145,7 +145,9 @@ def test_engine_with_a_remote_draft_equals_the_local_one(ahead, monkeypatch):
         local = LLM(target, draft, {}, device="cpu", block_size=8, num_kv_blocks=64)
         for engine in (llm, local):
             engine.draft.draft_ahead = engine.target.step_ahead = ahead
-        got, want = llm.generate(prompts, params), local.generate(prompts, params)
+        got = llm.generate(prompts, params)
+        remote_hits = sum(p is not None for p in taken)  # steps that took the remote draft asked for ahead
+        want = local.generate(prompts, params)
     finally:
         end.stop()
         end.close()
@@ -154,4 +156,4 @@ def test_engine_with_a_remote_draft_equals_the_local_one(ahead, monkeypatch):
     for a, b in zip(got, want):
         assert a.token_ids == b.token_ids and a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
     assert sum(o.stats["accepted"] for o in got) > 0
-    assert (sum(p is not None for p in taken) > 0) == ahead
+    assert (remote_hits > 0) == ahead
