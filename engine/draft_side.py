@@ -21,6 +21,7 @@ from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
 
 DENSE_NVFP4_MAX_BYTES = 512 << 20  # NVFP4 drafts whose bf16 copies fit keep them (NVFP4Linear.keep_dense) ...
+DENSE_NVFP4_MAX_FRACTION = 0.02  # ... or fit in this share of the GPU's memory (an 8B draft's 1.2 GB on an H200)
 DENSE_NVFP4_MIN_ROWS = 17  # ... and use them from this many rows on (measured: the GEMV wins at the draft's 7)
 
 
@@ -105,7 +106,9 @@ class DraftSide:
             model.lm_head.use_source_from(head.weight, DENSE_NVFP4_MIN_ROWS)
         if self.device.type == "cuda":
             model.fuse_projections()
-            keep_dense_up_to(model.modules(), DENSE_NVFP4_MAX_BYTES, DENSE_NVFP4_MIN_ROWS)
+            budget = max(DENSE_NVFP4_MAX_BYTES,
+                         int(DENSE_NVFP4_MAX_FRACTION * torch.cuda.get_device_properties(self.device).total_memory))
+            keep_dense_up_to(model.modules(), budget, DENSE_NVFP4_MIN_ROWS)
             if dispatch.GEMV_PRMT:  # the GEMV's inline-PTX decode reads bf16 block scales
                 for mod in model.modules():
                     if isinstance(mod, NVFP4Linear):
