@@ -60,9 +60,9 @@ class DSparkDraft(nn.Module):
                       all_slots_valid: bool = False) -> None:
         """Target features [T, len(target_layer_ids) * target_hidden] -> context K/V of every layer at `positions`.
 
-        One GEMM over all layers' stacked [Wk; Wv], then each layer's k_norm and RoPE (one Triton kernel on the
-        fast path); NOTE: no input_layernorm on the context. all_slots_valid: no -1 in slot_mapping (no mask, no
-        host sync).
+        One GEMM over all layers' stacked [Wk; Wv], then each layer's k_norm, RoPE and cache write (one Triton
+        kernel per layer on the fast path); NOTE: no input_layernorm on the context. all_slots_valid: no -1 in
+        slot_mapping (the reference path then needs no mask and no host sync; the kernel skips negative slots).
         """
         hn = self.hidden_norm
         fc = self.fc(features.to(hn.weight.dtype))
@@ -75,13 +75,14 @@ class DSparkDraft(nn.Module):
         c = self.config.layers
         kv = F.linear(ctx, w, b).view(ctx.shape[0], len(self.layers), 2, c.num_kv_heads, c.head_dim)
         for i, layer in enumerate(self.layers):
-            norm, k = layer.self_attn.k_norm, kv[:, i, 0]  # [T, KV, D]
-            if fast:  # no query heads: the kernel's k half only
+            norm, k, v = layer.self_attn.k_norm, kv[:, i, 0], kv[:, i, 1]  # [T, KV, D]
+            if fast:  # no query heads: the kernel's k half only, written to the cache with v in the same launch
                 kw = norm.weight if norm is not None else None
-                k = qk_norm_rotary(k[:, :0], k, cos, sin, kw, kw, norm.eps if norm is not None else 0.0)[1]
+                qk_norm_rotary(k[:, :0], k, cos, sin, kw, kw, norm.eps if norm is not None else 0.0,
+                               (v, kv_cache[i, 0], kv_cache[i, 1], slot_mapping))
             else:
                 k = Rotary.apply(norm(k) if norm is not None else k, cos, sin)
-            store_kv(k, kv[:, i, 1], kv_cache[i, 0], kv_cache[i, 1], slot_mapping, all_slots_valid)
+                store_kv(k, v, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, all_slots_valid)
 
     def write_context_per_layer(self, features: Tensor, positions: Tensor, slot_mapping: Tensor,
                                 kv_cache: Tensor) -> None:
