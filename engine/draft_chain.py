@@ -20,9 +20,11 @@ if TYPE_CHECKING:
 
 def chain_draft(draft: DraftSide, launched: "Launched", pos: list[int]) -> None:
     """Queue the draft of the step after `launched` (whose rows anchor at `pos`) behind it on the device."""
+    if not getattr(draft, "chain_ahead", False):  # a remote draft, or chaining switched off
+        return
     draft.chained = None
     reqs = launched.reqs
-    if not getattr(draft, "chain_ahead", False) or draft.graphs is None or any(f is None for f in launched.feats) \
+    if draft.graphs is None or any(f is None for f in launched.feats) \
             or any(r.draft_context_len != p or r.pending_features for r, p in zip(reqs, pos)):
         return
     pool, q_len = draft.allocator, draft.query_len
@@ -42,8 +44,10 @@ def take_chained(draft: DraftSide, launched: "Launched | None", rows: dict[Reque
     """The chained draft, if `reqs` are exactly the rows of the launch it was chained on, all taken; the requests
     are then marked as having handed over their new context (the chained draft wrote it)."""
     chained = getattr(draft, "chained", None)
+    if chained is None:
+        return None
     draft.chained = None
-    if chained is None or launched is None or chained[0] is not launched.packed \
+    if launched is None or chained[0] is not launched.packed \
             or len(reqs) != len(launched.reqs) or [rows.get(r) for r in reqs] != list(range(len(reqs))):
         return None
     for r in reqs:

@@ -91,7 +91,7 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     if getattr(draft, "draft_ahead", False):
         chained = take_chained(draft, ahead, rows, reqs)
         if chained is not None:  # queued on the device behind the verify just read
-            draft.ahead = ([(r, r.num_tokens - 1 + len(t), r.num_computed) for r, t in zip(reqs, new_tokens)], chained)
+            draft.ahead = (_ahead_key(reqs, _next_pos(reqs, new_tokens)), chained)
         else:
             _draft_ahead(draft, reqs, new_tokens, max_drafts)
     if getattr(target, "step_ahead", False):
@@ -178,7 +178,7 @@ def _step_ahead(target: TargetSide, draft: DraftSide | None, reqs: list[Request]
     if max(remaining) <= 0:
         return
     want = wanted(reqs, max_drafts, remaining)
-    pos = [r.num_tokens - 1 + len(t) for r, t in zip(reqs, new_tokens)]  # the next anchors' positions
+    pos = _next_pos(reqs, new_tokens)
     pool = target.allocator  # the verify writes the anchor and up to want[i] drafts past num_computed
     need = [max(0, pool.blocks_for(r.num_computed + 1 + k) - len(r.target_blocks)) for r, k in zip(reqs, want)]
     if sum(need) > pool.num_free or (any(want) and reads_confidences(reqs, spec, want)):
@@ -215,7 +215,7 @@ def _draft_ahead(draft: DraftSide, reqs: list[Request], new_tokens: list[list[in
     preemption or an admission in between changes it; then the next step drafts afresh, and what this draft
     wrote to the draft cache is valid context or scratch)."""
     draft.ahead = None
-    pos = [r.num_tokens - 1 + len(t) for r, t in zip(reqs, new_tokens)]  # the next anchors' positions
+    pos = _next_pos(reqs, new_tokens)
     if not any(wanted(reqs, max_drafts, [r.remaining - len(t) for r, t in zip(reqs, new_tokens)])):
         return
     pool = draft.allocator  # the next query block may need draft cache blocks the scheduler grows later
@@ -224,8 +224,17 @@ def _draft_ahead(draft: DraftSide, reqs: list[Request], new_tokens: list[list[in
         return
     for r, k in zip(reqs, need):
         r.draft_blocks.extend(pool.allocate_blocks(k) if k else [])
-    key = [(r, p, r.num_computed) for r, p in zip(reqs, pos)]
-    draft.ahead = (key, draft.propose(draft_input(reqs, [t[-1] for t in new_tokens], pos)))
+    draft.ahead = (_ahead_key(reqs, pos), draft.propose(draft_input(reqs, [t[-1] for t in new_tokens], pos)))
+
+
+def _next_pos(reqs: list[Request], new_tokens: list[list[int]]) -> list[int]:
+    """The next anchors' positions, before this step's tokens are appended."""
+    return [r.num_tokens - 1 + len(t) for r, t in zip(reqs, new_tokens)]
+
+
+def _ahead_key(reqs: list[Request], pos: list[int]) -> list[tuple[Request, int, int]]:
+    """What a draft made ahead assumed of each request (checked by _drafted_ahead)."""
+    return [(r, p, r.num_computed) for r, p in zip(reqs, pos)]
 
 
 def _drafted_ahead(draft: DraftSide, reqs: list[Request], anchor_pos: list[int] | None = None) -> DraftProposal | None:

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .nvfp4_linear import NVFP4Linear, NVFP4Stack
+from .views import concat_as_views
 
 
 class RMSNorm(nn.Module):
@@ -81,7 +82,7 @@ class MLP(nn.Module):
         """One [2I, hidden] weight for gate and up; their parameters become views into it (inference only). NVFP4
         gate and up become one NVFP4Stack."""
         if self._gate_up is None and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
-            self._gate_up = _concat_as_views([self.gate_proj.weight, self.up_proj.weight])
+            self._gate_up = concat_as_views([self.gate_proj.weight, self.up_proj.weight])
         elif self._gate_up_q4 is None and _all_nvfp4(self.gate_proj, self.up_proj):
             self._gate_up_q4 = NVFP4Stack([self.gate_proj, self.up_proj])
 
@@ -118,8 +119,8 @@ class AttentionProjections(nn.Module):
         NVFP4 q/k/v become one NVFP4Stack."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if self._qkv is None and all(type(p) is nn.Linear for p in projs):
-            bias = _concat_as_views([p.bias for p in projs]) if self.q_proj.bias is not None else None
-            self._qkv = (_concat_as_views([p.weight for p in projs]), bias)
+            bias = concat_as_views([p.bias for p in projs]) if self.q_proj.bias is not None else None
+            self._qkv = (concat_as_views([p.weight for p in projs]), bias)
         elif self._qkv_q4 is None and _all_nvfp4(*projs):
             self._qkv_q4 = NVFP4Stack(list(projs))
 
@@ -162,13 +163,3 @@ class AttentionProjections(nn.Module):
 
 def _all_nvfp4(*layers: nn.Module) -> bool:
     return all(isinstance(m, NVFP4Linear) for m in layers)
-
-
-def _concat_as_views(params: list[Tensor]) -> Tensor:
-    """Concatenate parameters along dim 0 into one tensor and re-point each parameter at its slice of it."""
-    fused = torch.cat([p.detach() for p in params])
-    start = 0
-    for p in params:
-        p.data = fused[start:start + p.shape[0]]
-        start += p.shape[0]
-    return fused

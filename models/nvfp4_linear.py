@@ -12,6 +12,8 @@ from torch import Tensor, nn
 from dspark_serve.kernels import nvfp4
 from dspark_serve.kernels.nvfp4_ref import GROUP_SIZE, check_packed
 
+from .views import concat_as_views
+
 
 class NVFP4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
@@ -121,8 +123,8 @@ class NVFP4Stack:
             raise ValueError(f"stacked NVFP4 layers need one in_features, got {[m.in_features for m in layers]}")
         self.layers = layers  # they stay where they are in the model (a plain object: nothing is registered twice)
         self.out_features = sum(m.out_features for m in layers)
-        self.weight = _stack_as_views(layers, "weight")
-        self.weight_scale = _stack_as_views(layers, "weight_scale")
+        self.weight = concat_as_views([m.weight for m in layers])
+        self.weight_scale = concat_as_views([m.weight_scale for m in layers])
         self.row_scale = torch.cat([m.weight_scale_2.float().expand(m.out_features) for m in layers])
         if len({m.bias is None for m in layers}) > 1:
             raise ValueError("stacked NVFP4 layers need a bias on all of them or on none")
@@ -137,13 +139,3 @@ class NVFP4Stack:
             return torch.cat([layer(x) for layer in self.layers], -1)
         return out if self.bias is None else out + self.bias
 
-
-def _stack_as_views(layers: list[NVFP4Linear], name: str) -> Tensor:
-    """Concatenate the layers' buffer `name` along rows and re-point each layer's buffer at its rows."""
-    stacked = torch.cat([getattr(m, name) for m in layers])
-    start = 0
-    for m in layers:
-        n = m.out_features
-        setattr(m, name, stacked[start:start + n])
-        start += n
-    return stacked
