@@ -2,8 +2,9 @@
 
 One message each way per step: a byte buffer of a fixed capacity (both ends derive it from the context width)
 holding a 64-byte int64 header, the int64 fields, then the float payload (16-byte aligned). A payload past the
-capacity (a prefill's context, a batch's, a dense q) follows in a second message whose size the header gives. The receiver reads the header (and the draft the int64 fields) to the
-host in one copy; the floats stay where they arrived. Buffers grow once and are reused.
+capacity (a prefill's context, a batch's, a dense q) follows in a second message whose size the header gives.
+The receiver reads the header (and the draft the int64 fields) to the host in one copy; the floats stay where
+they arrived. Buffers grow once and are reused.
 """
 
 from __future__ import annotations

@@ -201,7 +201,8 @@ def test_engine_drafts_with_a_quantized_lm_head_on_gpu():
     head = draft.lm_head.weight
     prompts = [[1, 2, 3, 4], [10, 20, 30, 40, 50], [7] * 9]
     for eager in (False, True):
-        llm = LLM(target, draft, {"dspark_quantize_lm_head": True}, device=DEV, block_size=8, num_kv_blocks=256, enforce_eager=eager)
+        llm = LLM(target, draft, {"dspark_quantize_lm_head": True}, device=DEV, block_size=8, num_kv_blocks=256,
+                  enforce_eager=eager)
         assert isinstance(llm.draft.model.lm_head, NVFP4Linear) and llm.draft.model.lm_head._dense is head
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
