@@ -18,7 +18,6 @@ from bench_nvfp4 import ROTATE_BYTES, copy_bandwidth_gbs, graph_time_us
 from dspark_serve.kernels.fused_ops import silu_mul
 from dspark_serve.kernels.gemv_bf16 import DenseGemvConfig, default_dense_gemv_config, gemv
 from dspark_serve.kernels.gemv_bf16_mma import MmaDenseConfig, default_mma_dense_config, gemv_mma_dense
-from dspark_serve.kernels.gemv_bf16_rows import MAX_ROWS, MAX_WEIGHTS, RowsGemvConfig, gemv_rows
 
 SHAPES = {"8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
                  "lm_head": (151936, 4096)},
@@ -39,11 +38,6 @@ def close(got: torch.Tensor, ref: torch.Tensor, of_max: float = 1e-3) -> bool:
     can exceed 1e-3 of the largest output)."""
     return bool(((got.float() - ref.float()).abs() <= 2 ** -7 * ref.float().abs()
                  + of_max * ref.float().abs().max()).all())
-
-
-def rows_sweep() -> list[RowsGemvConfig]:
-    return [RowsGemvConfig(bn, bk, w) for bn, bk, w in ((8, 64, 4), (8, 128, 4), (16, 32, 4), (16, 128, 8),
-                                                         (32, 32, 4), (32, 64, 8), (16, 64, 8), (4, 128, 4))]
 
 
 def mma_sweep(k: int) -> list[MmaDenseConfig]:
@@ -95,26 +89,6 @@ def bench_shape(model: str, name: str, n: int, k: int, copy_gbs: float, do_sweep
                         "mma_best_config": mb.__dict__, "mma_all": [(t, c.__dict__) for t, c in mma]})
             line += (f" | mma {mma_us:7.2f} ({row['mma_pct_copy']:5.1f}%, x{cublas_us / mma_us:4.2f} cuBLAS) best "
                      f"{mb_us:7.2f} [{mb.tiles}, {mb.warps}, {mb.vec}, {mb.l2_fetch}]")
-        if 2 <= m <= MAX_ROWS and n * k < MAX_WEIGHTS:                   # the CUDA-core GEMV for 2-8 rows
-            rc = []
-            for cfg in dict.fromkeys([RowsGemvConfig()] + (rows_sweep() if do_sweep else [])):
-                if not close(gemv_rows(x, ws[0], config=cfg), ref):
-                    print(f"WRONG rows {model} {name} M={m} {cfg}")
-                    continue
-                rc.append((graph_time_us([lambda w=w, cfg=cfg: gemv_rows(x, w, config=cfg) for w in ws]), cfg))
-            r_us, r_best = rc[0][0], _best(rc)
-            row.update({"rows_us": r_us, "rows_best_us": r_best[0], "rows_best_config": r_best[1].__dict__,
-                        "rows_all": [(t, c.__dict__) for t, c in rc]})
-            line += (f" | cores {r_us:7.2f} best {r_best[0]:7.2f} [{r_best[1].block_n}, {r_best[1].block_k}, "
-                     f"{r_best[1].num_warps}]")
-            if name == "gate_up":
-                fused = gemv_rows(x, ws[0], config=r_best[1], swiglu=True)
-                if torch.equal(fused, silu_mul(gemv_rows(x, ws[0], config=r_best[1]))):
-                    row["rows_swiglu_us"] = graph_time_us([lambda w=w: gemv_rows(x, w, config=r_best[1], swiglu=True)
-                                                           for w in ws])
-                    line += f" swiglu {row['rows_swiglu_us']:7.2f}"
-                else:
-                    print(f"WRONG rows swiglu {model} {name} M={m}")
         if name == "gate_up" and mma:                                    # SwiGLU epilogue vs cuBLAS + silu_mul
             fused = gemv_mma_dense(x, ws[0], swiglu=True)                # bit for bit silu_mul of its own GEMV
             if torch.equal(fused, silu_mul(gemv_mma_dense(x, ws[0]))) and close(fused, silu_mul(ref), 2 ** -5):

@@ -37,9 +37,6 @@ DENSE_GEMV_ROWS = int(os.environ.get("DSPARK_DENSE_GEMV_ROWS", "1"))
 # DSPARK_DENSE_MMA=0 turns it off
 DENSE_MMA = os.environ.get("DSPARK_DENSE_MMA", "1") == "1"
 DENSE_MMA_MIN_ROWS = int(os.environ.get("DSPARK_DENSE_MMA_MIN_ROWS", "2"))
-# ... except 2-8 rows of a small weight (N * K < 2**24: the 0.5B target's layers, latency-bound), which take the
-# CUDA-core GEMV of gemv_bf16_rows.py; DSPARK_GEMV_ROWS_CORES=0 turns it off
-GEMV_ROWS_CORES = os.environ.get("DSPARK_GEMV_ROWS_CORES", "1") == "1"
 # The target's lm_head takes `linear` (the GEMVs above) instead of cuBLAS (8B lm_head alone: 278 / 285 instead of
 # 296 / 299 us at 1 / 8 rows); DSPARK_LM_HEAD_GEMV=0 turns it off
 LM_HEAD_GEMV = os.environ.get("DSPARK_LM_HEAD_GEMV", "1") == "1"

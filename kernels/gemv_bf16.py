@@ -27,7 +27,6 @@ from triton.language.extra import libdevice
 from . import dispatch, pdl
 from .fused_ops import _round, silu_mul
 from .gemv_bf16_mma import gemv_mma_dense, mma_dense_ok
-from .gemv_bf16_rows import gemv_rows, rows_ok
 from .pdl import pdl_trigger, pdl_wait
 
 
@@ -178,10 +177,6 @@ def gemv_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x.to(w.dtype), w, bias)
 
 
-def _core_rows(x: Tensor, w: Tensor) -> bool:
-    return dispatch.DENSE_GEMV and dispatch.GEMV_ROWS_CORES and rows_ok(x, w)
-
-
 def _mma_rows(x: Tensor, w: Tensor) -> bool:
     return (dispatch.DENSE_GEMV and dispatch.DENSE_MMA and dispatch.DENSE_MMA_MIN_ROWS <= x.shape[0]
             and mma_dense_ok(x, w))                                          # (which takes M <= 16)
@@ -190,10 +185,7 @@ def _mma_rows(x: Tensor, w: Tensor) -> bool:
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear for the target's fused decoder layers: up to dispatch.DENSE_GEMV_ROWS rows (default 1: plain
     decode at batch 1) of bf16 CUDA activations take `gemv` when dispatch.DENSE_GEMV is on; from
-    dispatch.DENSE_MMA_MIN_ROWS (default 2) to 16 rows, the register-fed mma GEMV (verify's 1 + 7 rows), but 2-8
-    rows of a small weight the CUDA-core GEMV of gemv_bf16_rows (dispatch.GEMV_ROWS_CORES)."""
-    if _core_rows(x, w):
-        return gemv_rows(x, w, bias)
+    dispatch.DENSE_MMA_MIN_ROWS (default 2) to 16 rows, the register-fed mma GEMV (verify's 1 + 7 rows)."""
     if _mma_rows(x, w):
         return gemv_mma_dense(x, w, bias)
     if (dispatch.DENSE_GEMV and x.is_cuda and x.shape[0] <= min(dispatch.DENSE_GEMV_ROWS, 16)
@@ -205,10 +197,7 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 def linear_silu_mul(x: Tensor, w_gate_up: Tensor) -> Tensor:
     """silu_mul(F.linear(x, w_gate_up)) for the fused MLP: x [T, K], w_gate_up [2I, K] -> [T, I]. One row of bf16
     CUDA activations takes the GEMV with the SwiGLU epilogue (one launch, same values) when dispatch.DENSE_GEMV
-    and dispatch.GEMV_SWIGLU are on; the rows of the mma and CUDA-core GEMVs (`linear`) take their SwiGLU
-    epilogues."""
-    if dispatch.GEMV_SWIGLU and _core_rows(x, w_gate_up):
-        return gemv_rows(x, w_gate_up, swiglu=True)
+    and dispatch.GEMV_SWIGLU are on; the rows of the mma GEMV (`linear`) take its SwiGLU epilogue."""
     if dispatch.GEMV_SWIGLU and _mma_rows(x, w_gate_up):
         return gemv_mma_dense(x, w_gate_up, swiglu=True)
     if (dispatch.DENSE_GEMV and dispatch.GEMV_SWIGLU and x.is_cuda and x.shape[0] == 1

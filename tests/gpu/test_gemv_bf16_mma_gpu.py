@@ -85,7 +85,6 @@ def test_linear_routes_verify_rows(monkeypatch):
     w = torch.randn(2048, 512, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(8, 512, device=DEV, dtype=torch.bfloat16)
     monkeypatch.setattr(dispatch, "DENSE_MMA", True)
-    monkeypatch.setattr(dispatch, "GEMV_ROWS_CORES", False)            # (a small weight: else gemv_bf16_rows)
     assert torch.equal(linear(x, w), gemv_mma_dense(x, w))
     assert torch.equal(linear_silu_mul(x, w), gemv_mma_dense(x, w, swiglu=True))
     monkeypatch.setattr(dispatch, "DENSE_MMA", False)
