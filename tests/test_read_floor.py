@@ -1,5 +1,6 @@
-"""bench/bench_read_floor.py's streaming-read kernel under the Triton interpreter: it reads every byte it is given
-(each program's XOR equals torch's over its words, a tail past a whole block included), so its time is a floor."""
+"""bench/bench_read_floor.py's read kernels under the Triton interpreter: each reads every byte it is given (each
+program's XOR equals torch's over its words: the streaming read with a tail past a whole block, the GEMV's row
+pattern from the row and the tile-major layout), so their times are floors."""
 
 import sys
 
@@ -10,6 +11,11 @@ from bench_scripts import BENCH
 from interpreter import INTERPRETED, rerun_under_interpreter
 
 
+def _bench():
+    sys.path.insert(0, str(BENCH))
+    return __import__("bench_read_floor")
+
+
 @pytest.mark.skipif(INTERPRETED, reason="the child process runs the kernel tests")
 def test_under_interpreter():
     rerun_under_interpreter(__file__)
@@ -18,8 +24,7 @@ def test_under_interpreter():
 @pytest.mark.skipif(not INTERPRETED, reason="runs under TRITON_INTERPRET=1 (test_under_interpreter)")
 @pytest.mark.parametrize("words,block,iters", [(4096, 1024, 2), (3000, 1024, 1), (5000, 1024, 4)])
 def test_every_program_reads_its_words(words, block, iters):
-    sys.path.insert(0, str(BENCH))
-    rf = __import__("bench_read_floor")
+    rf = _bench()
     src = torch.randint(-2 ** 31, 2 ** 31 - 1, (words,), dtype=torch.int32)
     programs = -(-words // (block * iters))
     out = torch.zeros(programs, dtype=torch.int32)
@@ -31,8 +36,7 @@ def test_every_program_reads_its_words(words, block, iters):
 @pytest.mark.skipif(not INTERPRETED, reason="runs under TRITON_INTERPRET=1 (test_under_interpreter)")
 @pytest.mark.parametrize("tiled", [False, True])
 def test_the_row_pattern_reads_each_programs_rows_and_chunks(tiled):
-    sys.path.insert(0, str(BENCH))
-    rf = __import__("bench_read_floor")
+    rf = _bench()
     n, k, rows, split = 48, 512, 16, 2
     chunks, per = k // 128, k // 128 // split
     q = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, chunks, 16), dtype=torch.int32)
