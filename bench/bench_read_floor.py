@@ -7,8 +7,9 @@ nothing is optimised away) over a grid of block sizes, and an empty kernel's lau
 of the copy bandwidth (the goal's measure) and bf16 `F.linear`'s time over it: the highest `% of copy` and `x vs
 bf16` any NVFP4 GEMV could reach at that shape, one call at a time. Two more reads take the mma GEMV's access
 pattern (each program's rows, 64 + 8 bytes of each per 128-K chunk): from the ModelOpt row layout, and from a
-tile-major one where a 16-row tile's chunk is one 1 KB piece.
-Usage: python bench/bench_read_floor.py [--json out.json]
+tile-major one where a 16-row tile's chunk is one 1 KB piece. --dense adds the target's bf16 projections: each
+weight's read floor against the GEMVs the target runs at one row (plain decode) and 8 rows (verify 1 + 7).
+Usage: python bench/bench_read_floor.py [--shapes ...] [--dense] [--json out.json]
 """
 
 import argparse
@@ -133,9 +134,38 @@ def bf16_us(n: int, k: int, m: int) -> float:
     return us
 
 
+def dense_rows(copy_gbs: float) -> list[dict]:
+    """The target's bf16 projections (bench_dense_gemv's shapes): the read floor of each weight against what the
+    target runs, `linear` (`linear_silu_mul` for gate/up) at one row (plain decode) and 8 rows (verify 1 + 7)."""
+    from bench_dense_gemv import SHAPES as DENSE
+    from dspark_serve.kernels.gemv_bf16 import linear, linear_silu_mul
+    rows = []
+    for model, shapes in DENSE.items():
+        for name, (n, k) in shapes.items():
+            floor_us, cfg = read_floor(2 * n * k)
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(max(2, min(32, ROTATE_BYTES // (2 * n * k))))]
+            fn = linear_silu_mul if name == "gate_up" else linear
+            us = {}
+            for m in (1, 8):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                us[m] = graph_time_us([lambda w=w, x=x: fn(x, w) for w in ws])
+            del ws
+            torch.cuda.empty_cache()
+            rows.append({"model": model, "shape": name, "N": n, "K": k, "bf16_bytes": 2 * n * k, "read_us": floor_us,
+                         "read_config": cfg, "read_pct_copy": 100 * 2 * n * k / floor_us / 1e3 / copy_gbs,
+                         "linear_us_m1": us[1], "linear_us_m8": us[8]})
+            print(f"{model:5s} {name:8s} {2 * n * k / 1e6:8.2f} MB  read {floor_us:7.2f} us = "
+                  f"{rows[-1]['read_pct_copy']:5.1f}% of copy  target M=1 {us[1]:7.2f} us "
+                  f"({100 * floor_us / us[1]:5.1f}% of the floor's speed)  M=8 {us[8]:7.2f} us "
+                  f"({100 * floor_us / us[8]:5.1f}%)", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    p.add_argument("--dense", action="store_true", help="also the target's bf16 projections against their floor")
     p.add_argument("--json", default="bench_read_floor.json")
     args = p.parse_args()
     copy_gbs = copy_bandwidth_gbs()
@@ -164,9 +194,10 @@ def main() -> None:
               f"{tiled_us:7.2f} us = {r['tiled_read_pct_copy']:5.1f}% {tiled_cfg}  bf16 M=1 {bf16_1:7.2f} us "
               f"(ceiling x{r['max_x_vs_bf16_m1']:4.2f})  M=8 {bf16_8:7.2f} us "
               f"(x{r['max_x_vs_bf16_m8']:4.2f})", flush=True)
+    dense = dense_rows(copy_gbs) if args.dense else []
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": copy_gbs,
-                   "empty_kernel_us": empty_us, "rows": rows}, f, indent=1)
+                   "empty_kernel_us": empty_us, "rows": rows, "dense": dense}, f, indent=1)
 
 
 if __name__ == "__main__":

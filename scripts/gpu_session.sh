@@ -27,7 +27,7 @@
 #   pairq     the pair at batch 1 against compiled generate, then again with dspark_quantize_lm_head (no baseline)
 #   chain     random weights only: the draft chained behind the verify launched ahead (GPU tests, bench_step A/B)
 #   floor     random weights only: the read floor of each NVFP4 shape, contiguous and in the GEMV's row pattern
-#             from the row and a tile-major layout (bench_read_floor.py, issue 4)
+#             from the row and a tile-major layout, and the target's bf16 projections against theirs (issue 4, P2)
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -216,6 +216,6 @@ chain)  # random weights: the draft chained behind the verify launched ahead (en
         > "$OUT/bench_step_chain.log"
     grep -A8 "==" "$OUT/bench_step_chain.log" | grep -v "^ *[0-9]* function\|^$" ;;
 floor)  # random weights: the read floor per NVFP4 shape (contiguous; the GEMV's row pattern, row / tiled layout)
-    timeout 400 python3 bench/bench_read_floor.py --json "$OUT/bench_read_floor.json" 2>&1 | grep -v Warn ;;
+    timeout 400 python3 bench/bench_read_floor.py --dense --json "$OUT/bench_read_floor.json" 2>&1 | grep -v Warn ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac
