@@ -121,13 +121,13 @@ class NVFP4Stack:
         k = layers[0].in_features
         if any(m.in_features != k for m in layers):
             raise ValueError(f"stacked NVFP4 layers need one in_features, got {[m.in_features for m in layers]}")
+        if len({m.bias is None for m in layers}) > 1:  # checked before any buffer is re-pointed
+            raise ValueError("stacked NVFP4 layers need a bias on all of them or on none")
         self.layers = layers  # they stay where they are in the model (a plain object: nothing is registered twice)
         self.out_features = sum(m.out_features for m in layers)
         self.weight = concat_as_views([m.weight for m in layers])
         self.weight_scale = concat_as_views([m.weight_scale for m in layers])
         self.row_scale = torch.cat([m.weight_scale_2.float().expand(m.out_features) for m in layers])
-        if len({m.bias is None for m in layers}) > 1:
-            raise ValueError("stacked NVFP4 layers need a bias on all of them or on none")
         self.bias = torch.cat([m.bias.detach() for m in layers]) if layers[0].bias is not None else None
 
     def __call__(self, x: Tensor) -> Tensor:  # [T, K] -> [T, sum N]

@@ -176,5 +176,8 @@ def test_nvfp4_stack_shares_the_layers_storage():
     assert torch.equal(stack(x), want) and torch.equal(torch.cat([lay(x) for lay in layers], -1), want)
     with pytest.raises(ValueError, match="one in_features"):
         NVFP4Stack([NVFP4Linear(64, 16), NVFP4Linear(32, 16)])
+    mixed = [NVFP4Linear(64, 16, bias=True), NVFP4Linear(64, 16)]
+    ptrs = [m.weight.data_ptr() for m in mixed]
     with pytest.raises(ValueError, match="bias"):
-        NVFP4Stack([NVFP4Linear(64, 16, bias=True), NVFP4Linear(64, 16)])
+        NVFP4Stack(mixed)
+    assert [m.weight.data_ptr() for m in mixed] == ptrs  # refused before any buffer was re-pointed
