@@ -17,10 +17,11 @@ significant bits). The fp32 accumulators get 2**62 * weight_scale_2 at the end.
 
 A warp covers TILES 16-row tiles (x loaded and paired once for all of them) and prefetches the next step's words
 and scales while the tensor cores work on this one; a step is UNROLL consecutive chunks (2: each quad reads 128
-contiguous bytes of a row per step; lm_head at M = 1 from 114 to 106 us). L2_FETCH = 128 / 256 puts the L2::128B / 256B hint on the weight
-loads (L2 fetches that many bytes around each 64-byte read of a quad: lm_head at M = 1 from 134 to 114 us), L2_AHEAD
-prefetches the chunk that many steps ahead into L2 (bench/RESULTS.md). Split-K adds fp32 partials into the zeroed
-workspace of `w4a16_gemv_words`; the last program of an N block writes bf16 and re-zeroes it.
+contiguous bytes of a row per step; lm_head at M = 1 from 114 to 106 us). L2_FETCH = 128 / 256 puts the L2::128B /
+256B hint on the weight loads (L2 fetches that many bytes around each 64-byte read of a quad: lm_head at M = 1 from
+134 to 114 us), L2_AHEAD prefetches the chunk that many steps ahead into L2 (bench/RESULTS.md). Split-K adds fp32
+partials into the zeroed workspace of `w4a16_gemv_words`; the last program of an N block writes bf16 and re-zeroes
+it.
 
 Every memory access is inline PTX on tensors of one value per thread, so Triton never changes their layout: the
 lane that computes a value is the lane the mma reads it from. CUDA only (sm_90: `mul.rn.bf16x2`).
