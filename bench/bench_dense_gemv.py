@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from bench_nvfp4 import ROTATE_BYTES, copy_bandwidth_gbs, graph_time_us
 from dspark_serve.kernels.fused_ops import silu_mul
 from dspark_serve.kernels.gemv_bf16 import DenseGemvConfig, default_dense_gemv_config, gemv
-from dspark_serve.kernels.gemv_bf16_mma import MmaDenseConfig, default_mma_dense_config, gemv_mma_dense
+from dspark_serve.kernels.gemv_bf16_mma import MmaDenseConfig, default_mma_dense_config, gemv_mma_dense, tile_major
 
 SHAPES = {"8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
                  "lm_head": (151936, 4096)},
@@ -89,6 +89,15 @@ def bench_shape(model: str, name: str, n: int, k: int, copy_gbs: float, do_sweep
                         "mma_best_config": mb.__dict__, "mma_all": [(t, c.__dict__) for t, c in mma]})
             line += (f" | mma {mma_us:7.2f} ({row['mma_pct_copy']:5.1f}%, x{cublas_us / mma_us:4.2f} cuBLAS) best "
                      f"{mb_us:7.2f} [{mb.tiles}, {mb.warps}, {mb.vec}, {mb.l2_fetch}]")
+            if m > 1 and mc.vec == 4 and n % 16 == 0 and k % 128 == 0:   # the same kernel on tile-major copies
+                sw = name == "gate_up"
+                tiled = [tile_major(w, swiglu=sw) for w in ws]
+                if torch.equal(gemv_mma_dense(x, tiled[0], swiglu=sw), gemv_mma_dense(x, ws[0], swiglu=sw)):
+                    row["mma_tiled_us"] = graph_time_us([lambda t=t: gemv_mma_dense(x, t, swiglu=sw) for t in tiled])
+                    line += f" | tile-major{' swiglu' if sw else ''} {row['mma_tiled_us']:7.2f}"
+                else:
+                    print(f"WRONG tile-major {model} {name} M={m}")
+                del tiled
         if name == "gate_up" and mma:                                    # SwiGLU epilogue vs cuBLAS + silu_mul
             fused = gemv_mma_dense(x, ws[0], swiglu=True)                # bit for bit silu_mul of its own GEMV
             if torch.equal(fused, silu_mul(gemv_mma_dense(x, ws[0]))) and close(fused, silu_mul(ref), 2 ** -5):

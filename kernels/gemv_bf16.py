@@ -182,24 +182,25 @@ def _mma_rows(x: Tensor, w: Tensor) -> bool:
             and mma_dense_ok(x, w))                                          # (which takes M <= 16)
 
 
-def linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, tiled: Tensor | None = None) -> Tensor:
     """F.linear for the target's fused decoder layers: up to dispatch.DENSE_GEMV_ROWS rows (default 1: plain
     decode at batch 1) of bf16 CUDA activations take `gemv` when dispatch.DENSE_GEMV is on; from
-    dispatch.DENSE_MMA_MIN_ROWS (default 2) to 16 rows, the register-fed mma GEMV (verify's 1 + 7 rows)."""
+    dispatch.DENSE_MMA_MIN_ROWS (default 2) to 16 rows, the register-fed mma GEMV (verify's 1 + 7 rows), on
+    `tiled` (w's tile-major copy, gemv_bf16_mma.tile_major) where the layer keeps one."""
     if _mma_rows(x, w):
-        return gemv_mma_dense(x, w, bias)
+        return gemv_mma_dense(x, tiled if tiled is not None else w, bias)
     if (dispatch.DENSE_GEMV and x.is_cuda and x.shape[0] <= min(dispatch.DENSE_GEMV_ROWS, 16)
             and x.dtype == w.dtype == torch.bfloat16 and w.stride(1) == 1):
         return gemv(x, w, bias)
     return F.linear(x, w, bias)
 
 
-def linear_silu_mul(x: Tensor, w_gate_up: Tensor) -> Tensor:
+def linear_silu_mul(x: Tensor, w_gate_up: Tensor, tiled: Tensor | None = None) -> Tensor:
     """silu_mul(F.linear(x, w_gate_up)) for the fused MLP: x [T, K], w_gate_up [2I, K] -> [T, I]. One row of bf16
     CUDA activations takes the GEMV with the SwiGLU epilogue (one launch, same values) when dispatch.DENSE_GEMV
     and dispatch.GEMV_SWIGLU are on; the rows of the mma GEMV (`linear`) take its SwiGLU epilogue."""
     if dispatch.GEMV_SWIGLU and _mma_rows(x, w_gate_up):
-        return gemv_mma_dense(x, w_gate_up, swiglu=True)
+        return gemv_mma_dense(x, tiled if tiled is not None else w_gate_up, swiglu=True)
     if (dispatch.DENSE_GEMV and dispatch.GEMV_SWIGLU and x.is_cuda and x.shape[0] == 1
             and x.dtype == w_gate_up.dtype == torch.bfloat16 and w_gate_up.stride(1) == 1):
         return gemv(x, w_gate_up, swiglu=True)

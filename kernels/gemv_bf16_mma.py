@@ -15,6 +15,10 @@ the end. The next chunk's weights and x are loaded while the tensor cores work o
 weights before `pdl_wait` (weights are constants). Epilogue: + bias, one bf16 rounding. With SWIGLU a tile's rows g
 are gate rows and its rows g + 8 the matching up rows (I rows on), so a lane holds gate and up of the same (m, n) and
 writes silu_mul's value with its roundings: the MLP needs no silu_mul launch.
+
+Tile-major weights (`tile_major`, opt-in: dispatch.DENSE_TILED keeps such a copy next to the row-major weight) put
+each tile's chunk, 16 rows x 128 K, into 4 contiguous KB in the order the lanes read it, so one load instruction of
+a warp reads 512 contiguous bytes instead of 64 bytes of 8 rows; the registers, and so the results, are the same.
 CUDA sm_90 only (inline PTX); the reference is gemv_bf16.gemv_ref.
 """
 
@@ -57,14 +61,50 @@ def default_mma_dense_config(m: int, n: int, k: int) -> MmaDenseConfig:
     return MmaDenseConfig(1, 8, vec)
 
 
+TILE_BLOCK = 16 * 128        # elements of one tile-major block: 16 rows x 128 K
+
+
+def tile_major(w: Tensor, swiglu: bool = False) -> Tensor:
+    """w [N, K] (N % 16 == 0, K % 128 == 0) -> [N / 16, K / 128, 2048]: 16-row tile j, 128-K chunk c, laid out as
+    the lanes of gemv_mma_dense read them (half h = rows g / g + 8, vector v, lane g * 4 + t, 8 values of K
+    32v + 8t..). swiglu: w is [gate; up] [2I, K] (I % 8 == 0) and tile j's rows are gate rows 8j.. and their up
+    rows, as the kernel's SwiGLU epilogue pairs them."""
+    n, k = w.shape
+    if n % 16 or k % 128 or w.dim() != 2:
+        raise ValueError(f"tile_major takes [N % 16 == 0, K % 128 == 0] weights, got {tuple(w.shape)}")
+    if swiglu:                                                         # (h, tile, g, chunk, v, t, e)
+        t = w.reshape(2, n // 16, 8, k // 128, 4, 4, 8).permute(1, 3, 0, 4, 2, 5, 6)
+    else:                                                              # (tile, h, g, chunk, v, t, e)
+        t = w.reshape(n // 16, 2, 8, k // 128, 4, 4, 8).permute(0, 3, 1, 4, 2, 5, 6)
+    return t.contiguous().reshape(n // 16, k // 128, TILE_BLOCK)
+
+
+def untile(t: Tensor, swiglu: bool = False) -> Tensor:
+    """The inverse of tile_major -> [N, K]."""
+    tiles, chunks, _ = t.shape
+    t = t.reshape(tiles, chunks, 2, 4, 8, 4, 8)                       # (tile, chunk, h, v, g, t, e)
+    if swiglu:
+        return t.permute(2, 0, 4, 1, 3, 5, 6).reshape(16 * tiles, 128 * chunks)
+    return t.permute(0, 2, 4, 1, 3, 5, 6).reshape(16 * tiles, 128 * chunks)
+
+
+def _shape(w: Tensor) -> tuple[int, int]:
+    """[N, K] of a row-major or tile-major weight."""
+    return (16 * w.shape[0], 128 * w.shape[1]) if w.dim() == 3 else tuple(w.shape)
+
+
 def mma_dense_ok(x: Tensor, w: Tensor) -> bool:
     """Whether gemv_mma_dense takes these operands: bf16 CUDA (sm_90+), M <= 16, K % 32 == 0, N % 16 == 0, rows of
-    w 16-byte aligned with unit stride."""
-    if not (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and w.dim() == 2 and x.dim() == 2):
+    w 16-byte aligned with unit stride; or a contiguous tile-major w."""
+    if not (x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and w.dim() in (2, 3) and x.dim() == 2):
         return False
-    n, k = w.shape
+    n, k = _shape(w)
+    if w.dim() == 3:
+        layout_ok = w.shape[2] == TILE_BLOCK and w.is_contiguous()
+    else:
+        layout_ok = w.stride(1) == 1 and w.stride(0) % 8 == 0
     return (x.shape[0] <= 16 and x.shape[1] == k and k % 32 == 0 and k > 0 and n % 16 == 0 and n > 0
-            and w.stride(1) == 1 and w.stride(0) % 8 == 0 and w.data_ptr() % 16 == 0
+            and layout_ok and w.data_ptr() % 16 == 0
             and _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()))
 
 
@@ -84,28 +124,29 @@ def _vector(addr, ok, EVEN: tl.constexpr, L2_FETCH: tl.constexpr):
 
 
 @triton.jit
-def _row_words(addr, ok, EVEN: tl.constexpr, L2_FETCH: tl.constexpr, VEC: tl.constexpr):
-    """VEC 16-byte vectors at addr (64 bytes apart) -> 4 * VEC words (zeros where ok == 0 unless EVEN). x rows take
-    it with EVEN False: always predicated (rows past M)."""
+def _row_words(addr, ok, EVEN: tl.constexpr, L2_FETCH: tl.constexpr, VEC: tl.constexpr, VS: tl.constexpr = 64):
+    """VEC 16-byte vectors at addr (VS bytes apart: 64 in a row, 512 tile-major) -> 4 * VEC words (zeros where
+    ok == 0 unless EVEN). x rows take it with EVEN False: always predicated (rows past M)."""
     w = _vector(addr, ok, EVEN, L2_FETCH)
     for v in tl.static_range(1, VEC):
-        w = w + _vector(addr + 64 * v, ok, EVEN, L2_FETCH)
+        w = w + _vector(addr + VS * v, ok, EVEN, L2_FETCH)
     return w
 
 
 @triton.jit
-def _tile_words(addr, row_b_bytes, ok, EVEN: tl.constexpr, L2_FETCH: tl.constexpr, VEC: tl.constexpr):
-    return (_row_words(addr, ok, EVEN, L2_FETCH, VEC), _row_words(addr + row_b_bytes, ok, EVEN, L2_FETCH, VEC))
+def _tile_words(addr, row_b_bytes, ok, EVEN: tl.constexpr, L2_FETCH: tl.constexpr, VEC: tl.constexpr,
+                VS: tl.constexpr):
+    return (_row_words(addr, ok, EVEN, L2_FETCH, VEC, VS), _row_words(addr + row_b_bytes, ok, EVEN, L2_FETCH, VEC, VS))
 
 
 @triton.jit
 def _chunk(rows, off, row_b_bytes, ok, EVEN: tl.constexpr, L2_FETCH: tl.constexpr, VEC: tl.constexpr,
-           TILES: tl.constexpr):
+           TILES: tl.constexpr, VS: tl.constexpr):
     """One chunk of every tile: rows = each tile's byte address of row g at K 0, off = the chunk's byte offset ->
     per tile (row g words, row g + 8 words)."""
     w = ()
     for j in tl.static_range(TILES):
-        w = w + (_tile_words(rows[j] + off, row_b_bytes, ok, EVEN, L2_FETCH, VEC),)
+        w = w + (_tile_words(rows[j] + off, row_b_bytes, ok, EVEN, L2_FETCH, VEC, VS),)
     return w
 
 
@@ -176,7 +217,7 @@ def _store_tile(lo, hi, first, b_ptr, out_ptr, M, N, I, stride_om, HAS_BIAS: tl.
 def _gemv_mma_dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, I, stride_xm, stride_wn, stride_om,
                            TILES: tl.constexpr, WARPS: tl.constexpr, VEC: tl.constexpr, TWO_B: tl.constexpr,
                            EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr,
-                           L2_FETCH: tl.constexpr, LIBDEVICE: tl.constexpr):
+                           L2_FETCH: tl.constexpr, LIBDEVICE: tl.constexpr, TILED: tl.constexpr):
     pdl_trigger(PDL)
     T: tl.constexpr = 32 * WARPS
     CK: tl.constexpr = 32 * VEC                                        # K per chunk
@@ -187,19 +228,28 @@ def _gemv_mma_dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, I, stride_xm, 
     chunks = K // CK
     per = tl.cdiv(chunks, WARPS)                                       # chunks per warp (its K slice)
     c0 = warp * per                                                    # the warp's first chunk
-    if SWIGLU:
-        n_out = I
-        row_b = I.to(tl.int64) * stride_wn * 2                         # bytes from gate row g to its up row
-    else:
-        n_out = N
-        row_b = stride_wn.to(tl.int64) * 16                            # 8 rows on
+    n_out = I if SWIGLU else N
     first = pid * (TILES * ROWS)
     w0 = w_ptr.to(tl.int64, bitcast=True)
     k_byte = (c0.to(tl.int64) * CK + 8 * t) * 2                       # this lane's first byte of K (vector 0)
     rows = ()                                                          # per tile: row g's byte address at k_byte
-    for j in tl.static_range(TILES):                                   # (a tile past the end reads the last tile)
-        r = (tl.minimum(first + j * ROWS, n_out - ROWS) + g).to(tl.int64)
-        rows = rows + (w0 + r * stride_wn * 2 + k_byte,)
+    if TILED:                                                          # (tile, chunk, h, v, lane): CK = 128
+        VS: tl.constexpr = 512                                         # bytes from vector v to v + 1
+        CB: tl.constexpr = 16 * CK * 2                                 # bytes from a chunk to the next
+        row_b = 8 * VS // 2                                            # row g to row g + 8 (the up row): half h
+        for j in tl.static_range(TILES):                               # (a tile past the end reads the last tile)
+            tile = tl.minimum(pid * TILES + j, n_out // ROWS - 1).to(tl.int64)
+            rows = rows + (w0 + (tile * chunks + c0) * CB + (lane % 32) * 16,)
+    else:
+        VS: tl.constexpr = 64
+        CB: tl.constexpr = CK * 2
+        if SWIGLU:
+            row_b = I.to(tl.int64) * stride_wn * 2                     # bytes from gate row g to its up row
+        else:
+            row_b = stride_wn.to(tl.int64) * 16                        # 8 rows on
+        for j in tl.static_range(TILES):
+            r = (tl.minimum(first + j * ROWS, n_out - ROWS) + g).to(tl.int64)
+            rows = rows + (w0 + r * stride_wn * 2 + k_byte,)
     xa = x_ptr.to(tl.int64, bitcast=True) + g.to(tl.int64) * stride_xm * 2 + k_byte
     zero = tl.zeros((T,), tl.float32)
     acc = ()                                                           # per tile: 4 fp32 for x rows 0..7
@@ -207,7 +257,7 @@ def _gemv_mma_dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, I, stride_xm, 
         acc = acc + ((zero, zero, zero, zero),)
     acc8 = acc                                                         # x rows 8..15
     ok = (c0 < chunks).to(tl.int32)
-    w = _chunk(rows, 0, row_b, ok, EVEN, L2_FETCH, VEC, TILES)         # the first chunk, before the wait
+    w = _chunk(rows, 0, row_b, ok, EVEN, L2_FETCH, VEC, TILES, VS)     # the first chunk, before the wait
     pdl_wait(PDL)
     x_lo_ok = (g < M).to(tl.int32)
     x_hi_ok = (g + 8 < M).to(tl.int32)
@@ -217,9 +267,9 @@ def _gemv_mma_dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, I, stride_xm, 
         x8 = _row_words(xa + 16 * stride_xm, x_hi_ok & ok, False, 0, VEC)
     for i in range(per):                                               # load chunk i + 1, multiply chunk i
         ahead = tl.minimum(i + 1, per - 1)                             # (past the slice: its last chunk again)
-        off = ahead.to(tl.int64) * (CK * 2)
         nxt = (c0 + ahead < chunks).to(tl.int32)
-        w_n = _chunk(rows, off, row_b, nxt, EVEN, L2_FETCH, VEC, TILES)
+        w_n = _chunk(rows, ahead.to(tl.int64) * CB, row_b, nxt, EVEN, L2_FETCH, VEC, TILES, VS)
+        off = ahead.to(tl.int64) * (CK * 2)                            # x: row-major
         x_n = _row_words(xa + off, x_lo_ok & nxt, False, 0, VEC)
         x8_n = x_n
         if TWO_B:
@@ -237,24 +287,27 @@ def _gemv_mma_dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, I, stride_xm, 
 def gemv_mma_dense(x: Tensor, w: Tensor, bias: Tensor | None = None, config: MmaDenseConfig | None = None,
                    swiglu: bool = False) -> Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) -> bf16 [M, N] for operands `mma_dense_ok` accepts; swiglu (no bias): w is
-    [gate; up] [2I, K] and the result silu_mul(x @ w^T) [M, I] (I % 8 == 0)."""
+    [gate; up] [2I, K] and the result silu_mul(x @ w^T) [M, I] (I % 8 == 0). w may be `tile_major(w, swiglu)`:
+    the same result, bit for bit."""
     if not mma_dense_ok(x, w):
         raise ValueError(f"gemv_mma_dense takes bf16 sm_90 CUDA x [M <= 16, K % 32 == 0] and w [N % 16 == 0, K] with "
-                         f"16-byte aligned rows, got x {x.dtype} {tuple(x.shape)} on {x.device}, w {w.dtype} "
-                         f"{tuple(w.shape)} stride {w.stride()}")
-    if bias is not None and (bias.shape != (w.shape[0],) or swiglu):
-        raise ValueError(f"bias must be [{w.shape[0]}] (and no swiglu), got {tuple(bias.shape)}")
+                         f"16-byte aligned rows (or tile-major), got x {x.dtype} {tuple(x.shape)} on {x.device}, "
+                         f"w {w.dtype} {tuple(w.shape)} stride {w.stride()}")
+    n, k = _shape(w)
+    if bias is not None and (bias.shape != (n,) or swiglu):
+        raise ValueError(f"bias must be [{n}] (and no swiglu), got {tuple(bias.shape)}")
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:        # 16-byte loads of x rows
         x = x.clone(memory_format=torch.contiguous_format)
-    return _launch(x, w, bias, config or default_mma_dense_config(*x.shape[:1], *w.shape), swiglu)
+    return _launch(x, w, bias, config or default_mma_dense_config(x.shape[0], n, k), swiglu)
 
 
 def _launch(x: Tensor, w: Tensor, bias: Tensor | None, cfg: MmaDenseConfig, swiglu: bool) -> Tensor:
-    n, k = w.shape
+    n, k = _shape(w)
     m = x.shape[0]
+    tiled = w.dim() == 3
     if cfg.tiles not in (1, 2, 4) or cfg.vec not in (1, 2, 4) or cfg.warps not in (1, 2, 4, 8) or k % (32 * cfg.vec) \
-            or cfg.l2_fetch not in (0, 128, 256):
-        raise ValueError(f"bad MmaDenseConfig {cfg} for K = {k}: tiles and vec 1, 2 or 4, warps 1-8, "
+            or cfg.l2_fetch not in (0, 128, 256) or (tiled and cfg.vec != 4):
+        raise ValueError(f"bad MmaDenseConfig {cfg} for K = {k}: tiles and vec 1, 2 or 4 (4 tile-major), warps 1-8, "
                          "K % (32 * vec) == 0")
     inter = n // 2 if swiglu else n
     out = torch.empty(m, inter, device=x.device, dtype=torch.bfloat16)
@@ -263,8 +316,9 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, cfg: MmaDenseConfig, swig
     rows = 8 if swiglu else 16
     on, opts = pdl.launch(x)
     _gemv_mma_dense_kernel[(triton.cdiv(inter, rows * cfg.tiles),)](
-        x, w, bias if bias is not None else w, out, m, n, k, inter, x.stride(0), w.stride(0), out.stride(0),
+        x, w, bias if bias is not None else w, out, m, n, k, inter, x.stride(0), k if tiled else w.stride(0),
+        out.stride(0),
         TILES=cfg.tiles, WARPS=cfg.warps, VEC=cfg.vec, TWO_B=m > 8, EVEN=(k // (32 * cfg.vec)) % cfg.warps == 0,
-        HAS_BIAS=bias is not None, SWIGLU=swiglu, PDL=on, L2_FETCH=cfg.l2_fetch, LIBDEVICE=True,
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, PDL=on, L2_FETCH=cfg.l2_fetch, LIBDEVICE=True, TILED=tiled,
         num_warps=cfg.warps, num_stages=1, **opts)
     return out

@@ -54,6 +54,7 @@ class Rotary(nn.Module):
 class MLP(nn.Module):
     _gate_up: Tensor | None = None  # set by fuse()
     _gate_up_q4: NVFP4Stack | None = None  # set by fuse() for NVFP4 gate/up
+    _tiled: tuple[Tensor | None, Tensor | None] = (None, None)  # set by fuse(): tile-major gate/up and down
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
@@ -70,19 +71,21 @@ class MLP(nn.Module):
         from dspark_serve.kernels.gemv_bf16 import linear, linear_silu_mul
 
         if self._gate_up is not None:
-            h = linear_silu_mul(x, self._gate_up)
+            h = linear_silu_mul(x, self._gate_up, self._tiled[0])
         else:
             gate_up = self._gate_up_q4(x) if self._gate_up_q4 is not None else \
                 torch.cat((self.gate_proj(x), self.up_proj(x)), -1)
             h = silu_mul(gate_up)  # [T, I]
         down = self.down_proj
-        return linear(h, down.weight, down.bias) if type(down) is nn.Linear else down(h)
+        return linear(h, down.weight, down.bias, self._tiled[1]) if type(down) is nn.Linear else down(h)
 
     def fuse(self) -> None:
         """One [2I, hidden] weight for gate and up; their parameters become views into it (inference only). NVFP4
         gate and up become one NVFP4Stack."""
         if self._gate_up is None and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
             self._gate_up = concat_as_views([self.gate_proj.weight, self.up_proj.weight])
+            down = self.down_proj.weight if type(self.down_proj) is nn.Linear else None
+            self._tiled = (_tiled_copy(self._gate_up, swiglu=True), _tiled_copy(down))
         elif self._gate_up_q4 is None and _all_nvfp4(self.gate_proj, self.up_proj):
             self._gate_up_q4 = NVFP4Stack([self.gate_proj, self.up_proj])
 
@@ -92,6 +95,7 @@ class AttentionProjections(nn.Module):
 
     _qkv: tuple[Tensor, Tensor | None] | None = None  # set by fuse()
     _qkv_q4: NVFP4Stack | None = None  # set by fuse() for NVFP4 q/k/v
+    _tiled: tuple[Tensor | None, Tensor | None] = (None, None)  # set by fuse(): tile-major qkv and o
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -121,6 +125,8 @@ class AttentionProjections(nn.Module):
         if self._qkv is None and all(type(p) is nn.Linear for p in projs):
             bias = concat_as_views([p.bias for p in projs]) if self.q_proj.bias is not None else None
             self._qkv = (concat_as_views([p.weight for p in projs]), bias)
+            o = self.o_proj.weight if type(self.o_proj) is nn.Linear else None
+            self._tiled = (_tiled_copy(self._qkv[0]), _tiled_copy(o))
         elif self._qkv_q4 is None and _all_nvfp4(*projs):
             self._qkv_q4 = NVFP4Stack(list(projs))
 
@@ -133,7 +139,7 @@ class AttentionProjections(nn.Module):
 
         t, d = x.shape[0], self.head_dim
         if self._qkv is not None:
-            qkv = linear(x, *self._qkv)  # [T, (H + 2 KV) * D]
+            qkv = linear(x, *self._qkv, self._tiled[0])  # [T, (H + 2 KV) * D]
         elif self._qkv_q4 is not None:
             qkv = self._qkv_q4(x)
         else:
@@ -151,7 +157,7 @@ class AttentionProjections(nn.Module):
         from dspark_serve.kernels.gemv_bf16 import linear
 
         p = self.o_proj
-        return linear(o, p.weight, p.bias) if type(p) is nn.Linear else p(o)
+        return linear(o, p.weight, p.bias, self._tiled[1]) if type(p) is nn.Linear else p(o)
 
     def key_value(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)  # [T, KV, D]
@@ -159,6 +165,18 @@ class AttentionProjections(nn.Module):
         if self.k_norm is not None:
             k = self.k_norm(k)
         return Rotary.apply(k, cos, sin), v
+
+
+def _tiled_copy(w: Tensor | None, swiglu: bool = False) -> Tensor | None:
+    """With dispatch.DENSE_TILED, a tile-major copy of a bf16 CUDA weight the mma GEMV can take (gemv_bf16_mma), for
+    its 2-16-row GEMVs; None otherwise."""
+    from dspark_serve.kernels import dispatch
+    if not (dispatch.DENSE_TILED and w is not None and w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2
+            and w.shape[0] % 16 == 0 and w.shape[1] % 128 == 0):
+        return None
+    from dspark_serve.kernels.gemv_bf16_mma import tile_major
+    with torch.no_grad():
+        return tile_major(w.detach(), swiglu)
 
 
 def _all_nvfp4(*layers: nn.Module) -> bool:

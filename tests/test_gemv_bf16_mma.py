@@ -35,6 +35,37 @@ def test_kernel_compiles_for_sm90(m, n, k, cfg, swiglu, bias):
     assert (ptx.count("ld.global.nc.L2::128B") > 0) == (cfg.l2_fetch == 128)
 
 
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_tile_major_puts_each_value_where_a_lane_reads_it(swiglu):
+    """The kernel's tile-major addresses (tile j, chunk c, half h at 2048 bytes, vector v at 512, lane g * 4 + t at
+    16) hold row 16j + 8h + g (SwiGLU: gate row 8j + g, its up row for h = 1) at K 128c + 32v + 8t + e, the K
+    slots of the row-major kernel; untile inverts it."""
+    n, k = 64, 384
+    w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
+    t = gm.tile_major(w, swiglu)
+    assert t.shape == (n // 16, k // 128, 2048) and torch.equal(gm.untile(t, swiglu), w)
+    flat = t.reshape(-1)
+    for j, c, h, v, g, tt in [(0, 0, 0, 0, 0, 0), (3, 2, 1, 3, 7, 3), (1, 1, 0, 2, 5, 1), (2, 0, 1, 1, 3, 2)]:
+        lane_byte = ((j * (k // 128) + c) * 2048 * 2 + h * 2048 + v * 512 + (g * 4 + tt) * 16)
+        row = (h * n // 2 + 8 * j + g) if swiglu else 16 * j + 8 * h + g
+        got = flat[lane_byte // 2: lane_byte // 2 + 8]
+        assert torch.equal(got, w[row, 128 * c + 32 * v + 8 * tt: 128 * c + 32 * v + 8 * tt + 8])
+    with pytest.raises(ValueError, match="K % 128 == 0"):
+        gm.tile_major(w[:, :100])
+
+
+def test_tile_major_kernel_compiles_for_sm90():
+    """The tile-major variant loads as many 16-byte vectors and issues as many mmas as the row-major one."""
+    x, w = torch.randn(8, 1024).bfloat16(), torch.randn(4096, 1024).bfloat16()
+    counts = []
+    for ww in (w, gm.tile_major(w)):
+        (fn, args, kw), = sass_loop.record_launches(gm, ("_gemv_mma_dense_kernel",),
+                                                    lambda: gm._launch(x, ww, None, gm.MmaDenseConfig(1, 8, 4), False))
+        kernel = sass_loop.compile_sm90(fn, args, kw, {"PDL": True})
+        counts.append((kw["TILED"], kernel.asm["sass"].count("HMMA"), kernel.asm["sass"].count("LDG.E.128")))
+    assert counts[0][0] is False and counts[1][0] is True and counts[0][1:] == counts[1][1:] and min(counts[0][1:]) > 0
+
+
 def test_default_configs():
     cfg = gm.default_mma_dense_config
     assert cfg(8, 6144, 4096) == gm.MmaDenseConfig(2, 4, 4, 0)              # 8B qkv

@@ -91,3 +91,47 @@ def test_linear_routes_verify_rows(monkeypatch):
     assert torch.equal(linear(x, w), F.linear(x, w))
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         gemv_mma_dense(x, w[:, :500])
+
+
+TILED_CONFIGS = [c for c in CONFIGS if c[2] == 4] + [(4, 4, 4, 0), (2, 8, 4, 0), (1, 1, 4, 128)]
+
+
+@pytest.mark.parametrize("n,k", [(48, 384), (1152, 896), (4096, 4096)])
+@pytest.mark.parametrize("cfg", TILED_CONFIGS)
+@pytest.mark.parametrize("m", [1, 8, 13])
+def test_tile_major_weights_give_the_same_bits(n, k, cfg, m):
+    """The tile-major copy puts the same values into every lane's registers: the same result, bit for bit, with a
+    bias, with SwiGLU, K slices past the end (K 384 with 8 warps) and tiles past N included."""
+    from dspark_serve.kernels.gemv_bf16_mma import tile_major
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    c = MmaDenseConfig(*cfg)
+    t = tile_major(w)
+    assert torch.equal(gemv_mma_dense(x, t, b, config=c), gemv_mma_dense(x, w, b, config=c))
+    assert torch.equal(gemv_mma_dense(x, tile_major(w, swiglu=True), config=c, swiglu=True),
+                       gemv_mma_dense(x, w, config=c, swiglu=True))
+
+
+def test_fused_layers_keep_a_tile_major_copy(monkeypatch):
+    """DSPARK_DENSE_TILED: fuse() keeps tile-major copies of qkv, o, gate/up and down; verify rows read them and
+    give the row-major GEMV's bits; one row (plain decode) is untouched."""
+    from dspark_serve.models.config import ModelConfig
+    from dspark_serve.models.layers import MLP, AttentionProjections
+    cfg = ModelConfig(arch="qwen3", vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=1,
+                      num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, max_position=512,
+                      tie_word_embeddings=False, dtype=torch.bfloat16)
+    monkeypatch.setattr(dispatch, "DENSE_TILED", False)
+    mlp, attn = MLP(512, 1536).to(DEV, torch.bfloat16), AttentionProjections(cfg).to(DEV, torch.bfloat16)
+    mlp.fuse(), attn.fuse()
+    assert mlp._tiled == (None, None) and attn._tiled == (None, None)
+    x, o = torch.randn(8, 512, device=DEV).bfloat16(), torch.randn(8, 512, device=DEV).bfloat16()
+    want_mlp, want_o = mlp.forward_fused(x), attn.output(o)
+    monkeypatch.setattr(dispatch, "DENSE_TILED", True)
+    mlp2, attn2 = MLP(512, 1536).to(DEV, torch.bfloat16), AttentionProjections(cfg).to(DEV, torch.bfloat16)
+    mlp2.load_state_dict(mlp.state_dict()), attn2.load_state_dict(attn.state_dict())
+    mlp2.fuse(), attn2.fuse()
+    assert [t.shape for t in mlp2._tiled] == [(1536 // 8, 4, 2048), (512 // 16, 12, 2048)]
+    assert [t.shape for t in attn2._tiled] == [(768 // 16, 4, 2048), (512 // 16, 4, 2048)]
+    assert torch.equal(mlp2.forward_fused(x), want_mlp) and torch.equal(attn2.output(o), want_o)
+    assert torch.equal(mlp2.forward_fused(x[:1]), mlp.forward_fused(x[:1]))
