@@ -54,6 +54,7 @@ class GemvConfig:
     l2_ahead: int = 0     # mma kernel: prefetch the weights this many 128-K chunks ahead into L2 (0: off)
     l2_fetch: int = 0     # mma kernel: weight loads ask L2 for 128 or 256 bytes (the L2::128B / 256B hint; 0: none)
     unroll: int = 1       # mma kernel: 128-K chunks per loop step, all loaded a step ahead (1 or 2; 2: K % 256 == 0)
+    l1_hints: bool = False  # mma kernel: weight loads L1::no_allocate, x loads L1::evict_last
 
 
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool = False) -> GemvConfig:
@@ -69,8 +70,8 @@ def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool
     if mma_ok and m <= 16 and mma_fits(n, k):   # the 2026-12-01 sweeps' best: 8-warp programs up to 8 rows of x;
         unroll = 2 if k % 256 == 0 else 1       # two 128-K chunks per loop step where they measured faster
         if n >= 65536:                          # a vocab-sized N with the L2::128B hint on its weight loads
-            if m == 1:
-                return mma_config(n, k, 1, 4, 8, num_sms, l2_fetch=128, unroll=unroll)
+            if m == 1:                          # and the L1 hints (8B lm_head: 96.5-99.6 instead of 104 us)
+                return mma_config(n, k, 1, 4, 8, num_sms, l2_fetch=128, unroll=unroll, l1_hints=True)
             return mma_config(n, k, 2, 8 if m <= 8 else 4, 64 if m <= 8 else 8, num_sms, l2_fetch=128)
         if 1 < m <= 8 and n * k >= 1 << 25 and unroll == 2:   # fc, gate/up, down (q/o, k/v: 15 % slower)
             return mma_config(n, k, 2, 4, 8, num_sms, l2_fetch=128, unroll=2)
@@ -101,14 +102,14 @@ def mma_fits(n: int, k: int) -> bool:
 
 
 def mma_config(n: int, k: int, tiles: int = 2, num_warps: int = 4, warps_per_sm: int = 8, num_sms: int = 132,
-               l2_ahead: int = 0, l2_fetch: int = 0, unroll: int = 1) -> GemvConfig:
+               l2_ahead: int = 0, l2_fetch: int = 0, unroll: int = 1, l1_hints: bool = False) -> GemvConfig:
     """An mma-kernel config (tiles of 16 rows per warp) whose split-K (a power of 2, at least one step of `unroll`
     128-K chunks per split) gives at least `warps_per_sm` warps per SM."""
     warps, steps, split = triton.cdiv(n, 16 * tiles), k // CHUNK_K.value // unroll, 1
     while warps * split < warps_per_sm * num_sms and split * 2 <= steps:
         split *= 2
     return GemvConfig(16 * tiles * num_warps, CHUNK_K.value, split, num_warps=num_warps, mma=True, l2_ahead=l2_ahead,
-                      l2_fetch=l2_fetch, unroll=unroll)
+                      l2_fetch=l2_fetch, unroll=unroll, l1_hints=l1_hints)
 
 
 def stacked_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, row_scale: Tensor) -> Tensor | None:
@@ -125,7 +126,7 @@ def stacked_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, row_scale: Ten
 
 def _run_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, cfg: GemvConfig) -> Tensor:
     return gemv_mma(x.to(torch.bfloat16), packed, weight_scale, weight_scale_2, cfg.block_n // (16 * cfg.num_warps),
-                    cfg.num_warps, cfg.split_k, cfg.l2_ahead, cfg.l2_fetch, cfg.unroll)
+                    cfg.num_warps, cfg.split_k, cfg.l2_ahead, cfg.l2_fetch, cfg.unroll, cfg.l1_hints)
 
 
 def words_config(n: int, k: int, block_n: int, block_k: int, num_warps: int, num_sms: int = 132,

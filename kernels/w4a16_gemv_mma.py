@@ -82,6 +82,18 @@ mov.b32 $2, 0;
 mov.b32 $3, 0;
 @p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];
 }""")
+LOAD4_EVICT_LAST = tl.constexpr("""{
+.reg .pred p;
+setp.ne.b32 p, $5, 0;
+mov.b32 $0, 0;
+mov.b32 $1, 0;
+mov.b32 $2, 0;
+mov.b32 $3, 0;
+@p ld.global.nc.L1::evict_last.v4.b32 {$0, $1, $2, $3}, [$4];
+}""")
+LOAD4_NO_L1 = tl.constexpr("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];")
+LOAD4_NO_L1_L2_128 = tl.constexpr("ld.global.nc.L1::no_allocate.L2::128B.v4.b32 {$0, $1, $2, $3}, [$4];")
+# L1_HINTS: weights (read once) bypass L1 and x (read by every warp) stays there
 LOAD4_L2_128 = tl.constexpr("ld.global.nc.L2::128B.v4.b32 {$0, $1, $2, $3}, [$4];")
 LOAD4_L2_256 = tl.constexpr("ld.global.nc.L2::256B.v4.b32 {$0, $1, $2, $3}, [$4];")
 # Weight loads that ask L2 to fetch the 128 / 256 aligned bytes around them from DRAM (a quad reads 64 per row).
@@ -157,17 +169,23 @@ def _mma_tile(A, x, acc, TWO_B: tl.constexpr):
 
 
 @triton.jit
-def _x_block(xa, stride_xm, g, M, TWO_B: tl.constexpr):
+def _x_block(xa, stride_xm, g, M, TWO_B: tl.constexpr, L1_HINTS: tl.constexpr):
     """B pairs of x rows g (and 8 + g with TWO_B) for this lane's chunk; rows past M read as zeros."""
-    x = _load_x(xa, (g < M).to(tl.int32))
+    x = _load_x(xa, (g < M).to(tl.int32), L1_HINTS)
     if TWO_B:
-        x = x + _load_x(xa + 16 * stride_xm, (g + 8 < M).to(tl.int32))
+        x = x + _load_x(xa + 16 * stride_xm, (g + 8 < M).to(tl.int32), L1_HINTS)
     return x
 
 
 @triton.jit
-def _load_words(addr, ones, L2_FETCH: tl.constexpr):
-    if L2_FETCH == 256:
+def _load_words(addr, ones, L2_FETCH: tl.constexpr, L1_HINTS: tl.constexpr):
+    if L1_HINTS and L2_FETCH == 128:
+        return tl.inline_asm_elementwise(LOAD4_NO_L1_L2_128, "=r,=r,=r,=r,l", [addr],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    elif L1_HINTS and L2_FETCH == 0:
+        return tl.inline_asm_elementwise(LOAD4_NO_L1, "=r,=r,=r,=r,l", [addr],
+                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    elif L2_FETCH == 256:
         return tl.inline_asm_elementwise(LOAD4_L2_256, "=r,=r,=r,=r,l", [addr],
                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
     elif L2_FETCH == 128:
@@ -178,37 +196,44 @@ def _load_words(addr, ones, L2_FETCH: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(q_addr, s_addr, q_row_bytes, s_row_bytes, ones, L2_FETCH: tl.constexpr):
+def _load_tile(q_addr, s_addr, q_row_bytes, s_row_bytes, ones, L2_FETCH: tl.constexpr, L1_HINTS: tl.constexpr):
     """A tile's chunk at byte addresses q_addr (row g's 4 words) and s_addr (its 2 scales); row g + 8 is 8 rows on
     -> (8 words, 4 scale pairs)."""
-    a0, a1, a2, a3 = _load_words(q_addr, ones, L2_FETCH)
-    b0, b1, b2, b3 = _load_words(q_addr + 8 * q_row_bytes, ones, L2_FETCH)
+    a0, a1, a2, a3 = _load_words(q_addr, ones, L2_FETCH, L1_HINTS)
+    b0, b1, b2, b3 = _load_words(q_addr + 8 * q_row_bytes, ones, L2_FETCH, L1_HINTS)
     sa0, sa1 = _load_scales(s_addr)
     sb0, sb1 = _load_scales(s_addr + 8 * s_row_bytes)
     return (a0, a1, a2, a3, b0, b1, b2, b3), (sa0, sa1, sb0, sb1)
 
 
 @triton.jit
-def _load_chunks(q_addr, s_addr, q_row_bytes, s_row_bytes, ones, L2_FETCH: tl.constexpr, UNROLL: tl.constexpr):
+def _load_chunks(q_addr, s_addr, q_row_bytes, s_row_bytes, ones, L2_FETCH: tl.constexpr, UNROLL: tl.constexpr,
+                 L1_HINTS: tl.constexpr):
     """UNROLL consecutive chunks of a tile (each 64 bytes of words and 8 of scales on) -> a tuple of _load_tile's."""
     t = ()
     for u in tl.static_range(UNROLL):
-        t = t + (_load_tile(q_addr + 64 * u, s_addr + 8 * u, q_row_bytes, s_row_bytes, ones, L2_FETCH),)
+        t = t + (_load_tile(q_addr + 64 * u, s_addr + 8 * u, q_row_bytes, s_row_bytes, ones, L2_FETCH, L1_HINTS),)
     return t
 
 
 @triton.jit
-def _x_pairs(addr, ok):
+def _x_pairs(addr, ok, L1_HINTS: tl.constexpr):
     """8 bf16 of x at addr -> the B pairs (0, 4), (1, 5), (2, 6), (3, 7); zeros where ok == 0."""
-    r0, r1, r2, r3 = _load4(addr, ok)
+    if L1_HINTS:
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(LOAD4_EVICT_LAST, "=r,=r,=r,=r,l,r", [addr, ok],
+                                                   dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+                                                   pack=1)
+    else:
+        r0, r1, r2, r3 = _load4(addr, ok)
     return tl.inline_asm_elementwise(PAIR_X, "=r,=r,=r,=r,r,r,r,r", [r0, r1, r2, r3],
                                      dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
 
 @triton.jit
-def _load_x(addr, ok):
+def _load_x(addr, ok, L1_HINTS: tl.constexpr):
     """32 bf16 of one x row at addr (this lane's 4 words of K) -> 16 B pairs, zeros where ok == 0."""
-    return _x_pairs(addr, ok) + _x_pairs(addr + 16, ok) + _x_pairs(addr + 32, ok) + _x_pairs(addr + 48, ok)
+    return (_x_pairs(addr, ok, L1_HINTS) + _x_pairs(addr + 16, ok, L1_HINTS) + _x_pairs(addr + 32, ok, L1_HINTS)
+            + _x_pairs(addr + 48, ok, L1_HINTS))
 
 
 @triton.jit
@@ -250,7 +275,8 @@ def _tiles_out(acc_a, acc_b, rows, t, o0, w0, M, N, stride_om, scale, scale_2_pt
 def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, count_ptr, M, N, K, stride_xm,
                      stride_om, CHUNKS_PER_SPLIT, SPLIT_K, TILES: tl.constexpr, WARPS: tl.constexpr,
                      TWO_B: tl.constexpr, ATOMIC: tl.constexpr, L2_AHEAD: tl.constexpr,
-                     L2_FETCH: tl.constexpr, UNROLL: tl.constexpr, ROW_SCALE: tl.constexpr):
+                     L2_FETCH: tl.constexpr, UNROLL: tl.constexpr, ROW_SCALE: tl.constexpr,
+                     L1_HINTS: tl.constexpr):
     T: tl.constexpr = 32 * WARPS
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     lane = tl.arange(0, T)                                             # [T]: one value per thread, lane order
@@ -274,10 +300,10 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
     zero = tl.zeros((T,), tl.float32)
     acc_a = (zero, zero, zero, zero, zero, zero, zero, zero)
     acc_b = (zero, zero, zero, zero, zero, zero, zero, zero)
-    wa = _load_chunks(qa, sa, q_row, s_row, ones, L2_FETCH, UNROLL)   # per chunk of the step: (words, scales)
+    wa = _load_chunks(qa, sa, q_row, s_row, ones, L2_FETCH, UNROLL, L1_HINTS)   # per chunk of the step: (words, scales)
     wb = wa
     if TILES == 2:
-        wb = _load_chunks(qb, sb, q_row, s_row, ones, L2_FETCH, UNROLL)
+        wb = _load_chunks(qb, sb, q_row, s_row, ones, L2_FETCH, UNROLL, L1_HINTS)
     for c in range(c_lo, c_hi, UNROLL):
         if L2_AHEAD > 0:                                               # chunk c + L2_AHEAD into L2 (the last one)
             ahead = (tl.minimum(c + L2_AHEAD, c_hi - 1) - c).to(tl.int64) * 64
@@ -291,14 +317,14 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
         step = (c + UNROLL < c_hi).to(tl.int64)                        # prefetch the next step (the last re-reads)
         qa += 64 * UNROLL * step
         sa += 8 * UNROLL * step
-        wa_n = _load_chunks(qa, sa, q_row, s_row, ones, L2_FETCH, UNROLL)
+        wa_n = _load_chunks(qa, sa, q_row, s_row, ones, L2_FETCH, UNROLL, L1_HINTS)
         wb_n = wa_n
         if TILES == 2:
             qb += 64 * UNROLL * step
             sb += 8 * UNROLL * step
-            wb_n = _load_chunks(qb, sb, q_row, s_row, ones, L2_FETCH, UNROLL)
+            wb_n = _load_chunks(qb, sb, q_row, s_row, ones, L2_FETCH, UNROLL, L1_HINTS)
         for u in tl.static_range(UNROLL):
-            x = _x_block(xa + 256 * u, stride_xm, g, M, TWO_B)
+            x = _x_block(xa + 256 * u, stride_xm, g, M, TWO_B, L1_HINTS)
             acc_a = _mma_tile(_decode_tile(wa[u][0], wa[u][1]), x, acc_a, TWO_B)
             if TILES == 2:                                             # the same x, a second weight tile
                 acc_b = _mma_tile(_decode_tile(wb[u][0], wb[u][1]), x, acc_b, TWO_B)
@@ -318,7 +344,8 @@ def _gemv_mma_kernel(x_ptr, q_ptr, scale_ptr, scale_2_ptr, out_ptr, work_ptr, co
 
 
 def gemv_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Tensor, tiles: int = 2,
-             warps: int = 4, split_k: int = 1, l2_ahead: int = 0, l2_fetch: int = 0, unroll: int = 1) -> Tensor:
+             warps: int = 4, split_k: int = 1, l2_ahead: int = 0, l2_fetch: int = 0, unroll: int = 1,
+             l1_hints: bool = False) -> Tensor:
     """x [M, K] (M <= 16, bf16, unit stride along K, K % 128 == 0) @ NVFP4 [N, K]^T -> bf16 [M, N] (N >= 16).
     weight_scale_2: a scalar, or one per output row [N] (layers stacked along N). Arguments checked by w4a16_gemv;
     CUDA sm_90 only."""
@@ -349,6 +376,7 @@ def gemv_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Te
                                       weight_scale_2.float().reshape(-1).contiguous(),
                                       out, work, count, m, n, k, x.stride(0), out.stride(0), per_split, split,
                                       TILES=tiles, WARPS=warps, TWO_B=m > 8, ATOMIC=split > 1, L2_AHEAD=l2_ahead,
-                                      L2_FETCH=l2_fetch, UNROLL=unroll, ROW_SCALE=row_scale, num_warps=warps,
+                                      L2_FETCH=l2_fetch, UNROLL=unroll, ROW_SCALE=row_scale, L1_HINTS=l1_hints,
+                                      num_warps=warps,
                                       num_stages=1)
     return out

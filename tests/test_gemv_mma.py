@@ -63,16 +63,20 @@ def test_pair_x_matches_the_decode_order():
 @pytest.mark.parametrize("m,n,k,split,fetch,unroll,rows", [(1, 96, 512, 1, 0, 1, 0), (7, 64, 1024, 4, 128, 1, 0),
                                                            (9, 4096, 256, 1, 256, 1, 0), (16, 160, 384, 2, 0, 1, 0),
                                                            (8, 4096, 1024, 2, 128, 2, 0), (1, 96, 512, 1, 0, 2, 0),
-                                                           (7, 1280, 1024, 4, 128, 1, 1), (7, 1280, 1024, 1, 0, 2, 1)])
+                                                           (7, 1280, 1024, 4, 128, 1, 1), (7, 1280, 1024, 1, 0, 2, 1),
+                                                           (1, 4096, 1024, 1, 128, 2, 2), (9, 96, 512, 1, 0, 1, 2)])
 def test_mma_kernel_compiles_without_shared_memory(m, n, k, split, fetch, unroll, rows):
-    """rows: weight_scale_2 per output row (stacked q/k/v or gate/up)."""
+    """rows: 1 weight_scale_2 per output row (stacked q/k/v or gate/up); 2 the L1 hints (a scalar scale)."""
     x, packed = torch.randn(m, k).bfloat16(), torch.zeros(n, k // 2, dtype=torch.uint8)
     scale = torch.ones(n, k // 16).to(torch.float8_e4m3fn)
     (fn, args, kw), = sass_loop.record_launches(mma, ("_gemv_mma_kernel",), lambda: mma.gemv_mma(
-        x, packed, scale, torch.ones(n) if rows else torch.ones(()), split_k=split, l2_fetch=fetch, unroll=unroll))
+        x, packed, scale, torch.ones(n) if rows == 1 else torch.ones(()), split_k=split, l2_fetch=fetch,
+        unroll=unroll, l1_hints=rows == 2))
     assert kw["TWO_B"] == (m > 8) and kw["ATOMIC"] == (split > 1) and kw["UNROLL"] == unroll
-    assert kw["ROW_SCALE"] == bool(rows)
+    assert kw["ROW_SCALE"] == (rows == 1) and kw["L1_HINTS"] == (rows == 2)
     kernel = sass_loop.compile_sm90(fn, args, kw)
+    ptx = kernel.asm["ptx"]
+    assert ("L1::no_allocate" in ptx and "L1::evict_last" in ptx) == (rows == 2)
     assert kernel.metadata.shared <= 16                               # split-K: the counter's broadcast only
     prof = sass_loop.profile("mma", kernel, 16 * 16 * kw["TILES"] * kw["WARPS"] * unroll, kw["WARPS"])
     want = 8 * kw["TILES"] * (2 if m > 8 else 1) * unroll                # per chunk: 2 per word column and B
@@ -86,6 +90,7 @@ def test_configs_and_bad_shapes():
     assert cfg.mma and cfg.split_k == 1 and cfg.block_n == 128 and cfg.l2_ahead == 0
     lm_head = g.default_gemv_config(1, 151936, 4096, mma_ok=True)
     assert (lm_head.block_n, lm_head.num_warps, lm_head.split_k, lm_head.l2_fetch, lm_head.unroll) == (64, 4, 1, 128, 2)
+    assert lm_head.l1_hints and not g.default_gemv_config(8, 151936, 4096, mma_ok=True).l1_hints
     fc = g.default_gemv_config(8, 4096, 20480, mma_ok=True)
     assert (fc.block_n, fc.num_warps, fc.split_k, fc.l2_fetch, fc.unroll) == (128, 4, 16, 128, 2)
     assert g.default_gemv_config(8, 4096, 4096, mma_ok=True).unroll == 1                  # q/o

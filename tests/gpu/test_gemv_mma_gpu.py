@@ -23,12 +23,13 @@ def _weights(n: int, k: int):
     return nvfp4.quantize(w)
 
 
-def _cfg(tiles: int, warps: int, split: int, unroll: int = 1) -> "GemvConfig":
-    return GemvConfig(16 * tiles * warps, 128, split, num_warps=warps, mma=True, unroll=unroll)
+def _cfg(tiles: int, warps: int, split: int, unroll: int = 1, l1_hints: bool = False) -> "GemvConfig":
+    return GemvConfig(16 * tiles * warps, 128, split, num_warps=warps, mma=True, unroll=unroll, l1_hints=l1_hints)
 
 
 @pytest.mark.parametrize("n,k,cfg", [(48, 256, (1, 1, 1)), (96, 384, (2, 2, 2)), (1024, 640, (2, 4, 4)),
-                                     (96, 512, (1, 2, 1, 2)), (1024, 1024, (2, 4, 2, 2))])
+                                     (96, 512, (1, 2, 1, 2)), (1024, 1024, (2, 4, 2, 2)),
+                                     (96, 512, (1, 4, 1, 2, True)), (1024, 640, (2, 4, 4, 1, True))])
 def test_every_k_slot_is_exact(n, k, cfg):
     """One-hot rows of x read single weights: out[m, n] == bf16(dequant(W)[n, k_m]) for every K, so each lane's
     K slots, codes and block scales are where the mma expects them."""
@@ -49,7 +50,8 @@ def test_mma_vs_fp64(m, n, k):
     ref = x.double() @ nvfp4.dequantize(packed, scale, scale_2, torch.float64).T
     outs = [w4a16_gemv(x, packed, scale, scale_2, cfg) for cfg in
             (mma_config(n, k), _cfg(1, 4, 1), _cfg(2, 8, 2), _cfg(1, 2, 16), mma_config(n, k, 1, 8, 16, l2_ahead=2),
-             mma_config(n, k, 2, 4, 8, l2_fetch=128), mma_config(n, k, 1, 4, 8, l2_fetch=256))
+             mma_config(n, k, 2, 4, 8, l2_fetch=128), mma_config(n, k, 1, 4, 8, l2_fetch=256),
+             mma_config(n, k, 1, 4, 8, l2_fetch=128, l1_hints=True))
             + ((mma_config(n, k, 2, 8, 64, l2_fetch=128, unroll=2), mma_config(n, k, 1, 8, 16, unroll=2))
                if k % 256 == 0 else ())]
     for got in outs:
