@@ -178,7 +178,7 @@ def _x_block(xa, stride_xm, g, M, TWO_B: tl.constexpr, L1_HINTS: tl.constexpr):
 
 
 @triton.jit
-def _load_words(addr, ones, L2_FETCH: tl.constexpr, L1_HINTS: tl.constexpr):
+def _load_words(addr, ones, L2_FETCH: tl.constexpr, L1_HINTS: tl.constexpr = False):
     if L1_HINTS and L2_FETCH == 128:
         return tl.inline_asm_elementwise(LOAD4_NO_L1_L2_128, "=r,=r,=r,=r,l", [addr],
                                          dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
