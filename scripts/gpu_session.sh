@@ -182,19 +182,23 @@ vmma2)  # random weights: P1/P2 with the dense mma GEMV off / on, then the demo-
         --json "$OUT/bench_gpu_vmma.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_vmma.log" | grep -A30 "^model graphs"
     step_ab DENSE_MMA vmma ;;
 tiled)  # random weights: the tile-major copy for verify rows (tests; the GEMVs at 1, 8, 16 rows; P1/P2 and the
-        # demo-shape step with DSPARK_DENSE_TILED off / on, alternating processes)
+        # demo-shape step with DSPARK_DENSE_TILED off / on, alternating processes); 8 files, tables last
     timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_gemv_bf16_mma_gpu.py tests/gpu/test_dense_gemv_gpu.py \
-        tests/gpu/test_engine_gpu.py tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tail -4
+        tests/gpu/test_engine_gpu.py tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tail -2
     DSPARK_DENSE_TILED=1 timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_engine_gpu.py \
-        tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tail -3
+        tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tail -2
     timeout 150 python3 bench/bench_dense_gemv.py --models 8b --ms 1 8 16 --json "$OUT/bench_dense_tiled.json" 2>&1 \
-        | grep -v Warn > "$OUT/bench_dense_tiled.log"
-    for p in 0 1 0 1; do
+        | grep -v Warn | cut -c1-40,100-330 > /tmp/dense_tiled.txt
+    for i in 1 2; do for p in 0 1; do
         DSPARK_DENSE_TILED=$p timeout 100 python3 bench/bench_gpu.py --models 8b --batch 1 8 --iters 20 --no-draft \
-            --json "$OUT/bench_gpu_tiled$p.json" 2>&1 | grep -v Warn | grep -A2 "^model graphs" | sed "s/$/  TILED=$p/"
+            --json "$OUT/bench_gpu_tiled${p}_$i.json" 2>&1 | grep -v Warn | grep -A2 "^model graphs" \
+            | sed "s/$/  TILED=$p/" >> "$OUT/tiled_tables.log"
+    done; done
+    for p in 0 1; do
+        DSPARK_DENSE_TILED=$p timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_tiled$p.json" 2>&1 \
+            | grep -v Warn | grep "^==\|target graph\|chained" | sed "s/^/TILED=$p /" >> "$OUT/tiled_tables.log"
     done
-    step_ab DENSE_TILED tiled
-    cut -c1-40,100-330 "$OUT/bench_dense_tiled.log" ;;
+    cat /tmp/dense_tiled.txt "$OUT/tiled_tables.log" ;;
 dprof)  # random weights: P1-P3 at the 8B shape, batch 1, and the NVFP4 draft block's kernel table (P3)
     timeout 300 python3 bench/bench_gpu.py --models 8b --batch 1 --topk 64 --iters 20 --draft-kernels 45 \
         --json "$OUT/bench_gpu_dprof.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_dprof.log" | tail -70 ;;
