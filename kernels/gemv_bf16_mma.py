@@ -69,9 +69,9 @@ def tile_major(w: Tensor, swiglu: bool = False) -> Tensor:
     the lanes of gemv_mma_dense read them (half h = rows g / g + 8, vector v, lane g * 4 + t, 8 values of K
     32v + 8t..). swiglu: w is [gate; up] [2I, K] (I % 8 == 0) and tile j's rows are gate rows 8j.. and their up
     rows, as the kernel's SwiGLU epilogue pairs them."""
-    n, k = w.shape
-    if n % 16 or k % 128 or w.dim() != 2:
+    if w.dim() != 2 or w.shape[0] % 16 or w.shape[1] % 128:
         raise ValueError(f"tile_major takes [N % 16 == 0, K % 128 == 0] weights, got {tuple(w.shape)}")
+    n, k = w.shape
     if swiglu:                                                         # (h, tile, g, chunk, v, t, e)
         t = w.reshape(2, n // 16, 8, k // 128, 4, 4, 8).permute(1, 3, 0, 4, 2, 5, 6)
     else:                                                              # (tile, h, g, chunk, v, t, e)
@@ -236,7 +236,7 @@ def _gemv_mma_dense_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, I, stride_xm, 
     if TILED:                                                          # (tile, chunk, h, v, lane): CK = 128
         VS: tl.constexpr = 512                                         # bytes from vector v to v + 1
         CB: tl.constexpr = 16 * CK * 2                                 # bytes from a chunk to the next
-        row_b = 8 * VS // 2                                            # row g to row g + 8 (the up row): half h
+        row_b = 4 * VS                                                 # half h = 1 (rows g + 8 / up rows)
         for j in tl.static_range(TILES):                               # (a tile past the end reads the last tile)
             tile = tl.minimum(pid * TILES + j, n_out // ROWS - 1).to(tl.int64)
             rows = rows + (w0 + (tile * chunks + c0) * CB + (lane % 32) * 16,)

@@ -365,6 +365,8 @@ def gemv_mma(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: Te
     chunks = k // CHUNK_K.value
     if unroll not in (1, 2) or chunks % unroll:
         raise ValueError(f"unroll must be 1 or 2 and divide the {chunks} 128-K chunks, got {unroll}")
+    if l1_hints and l2_fetch not in (0, 128):
+        raise ValueError(f"l1_hints go with l2_fetch 0 or 128, got {l2_fetch}")
     per_split = triton.cdiv(triton.cdiv(chunks, split_k), unroll) * unroll   # whole steps per split
     split = triton.cdiv(chunks, per_split)
     blocks = triton.cdiv(n, 16 * tiles * warps)

@@ -115,4 +115,6 @@ def test_configs_and_bad_shapes():
     with pytest.raises(ValueError, match="unroll must be 1 or 2"):                    # 3 chunks, 2 per step
         mma.gemv_mma(torch.randn(3, 384).bfloat16(), torch.zeros(64, 192, dtype=torch.uint8),
                      torch.ones(64, 24).to(torch.float8_e4m3fn), torch.ones(()), unroll=2)
+    with pytest.raises(ValueError, match="l1_hints go with l2_fetch 0 or 128"):
+        mma.gemv_mma(x, packed, scale, torch.ones(()), l2_fetch=256, l1_hints=True)
     assert g.mma_config(4096, 20480, unroll=2).split_k == 16 and g.mma_config(1024, 256, unroll=2).split_k == 1
