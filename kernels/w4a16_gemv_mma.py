@@ -73,24 +73,15 @@ cvt.rn.bf16x2.f32 {out}, f, f;
 MMA = tl.constexpr(("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"))
 
-LOAD4 = tl.constexpr("""{
-.reg .pred p;
-setp.ne.b32 p, $5, 0;
-mov.b32 $0, 0;
-mov.b32 $1, 0;
-mov.b32 $2, 0;
-mov.b32 $3, 0;
-@p ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];
-}""")
-LOAD4_EVICT_LAST = tl.constexpr("""{
-.reg .pred p;
-setp.ne.b32 p, $5, 0;
-mov.b32 $0, 0;
-mov.b32 $1, 0;
-mov.b32 $2, 0;
-mov.b32 $3, 0;
-@p ld.global.nc.L1::evict_last.v4.b32 {$0, $1, $2, $3}, [$4];
-}""")
+
+def _predicated_load4(hint: str) -> str:
+    """16 bytes at $4 into $0..$3 where $5 != 0, zeros elsewhere; hint: a cache qualifier such as .L1::evict_last."""
+    return ("{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n" + "".join(f"mov.b32 ${i}, 0;\n" for i in range(4))
+            + f"@p ld.global.nc{hint}.v4.b32 {{$0, $1, $2, $3}}, [$4];\n}}")
+
+
+LOAD4 = tl.constexpr(_predicated_load4(""))
+LOAD4_EVICT_LAST = tl.constexpr(_predicated_load4(".L1::evict_last"))
 LOAD4_NO_L1 = tl.constexpr("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];")
 LOAD4_NO_L1_L2_128 = tl.constexpr("ld.global.nc.L1::no_allocate.L2::128B.v4.b32 {$0, $1, $2, $3}, [$4];")
 # L1_HINTS: weights (read once) bypass L1 and x (read by every warp) stays there
