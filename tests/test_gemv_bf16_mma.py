@@ -84,3 +84,17 @@ def test_cpu_operands_keep_the_reference():
         gm.gemv_mma_dense(x, w)
     with pytest.raises(ValueError, match="bad MmaDenseConfig"):
         gm._launch(x, w, None, gm.MmaDenseConfig(3, 4, 2), False)
+
+
+def test_tiled_copies_need_cuda_bf16_weights(monkeypatch):
+    """DSPARK_DENSE_TILED on a CPU model (or fp32, or shapes the kernel cannot tile) keeps no copy: fuse() stays
+    free of extra memory there."""
+    from dspark_serve.kernels import dispatch
+    from dspark_serve.models.layers import MLP, _tiled_copy
+    monkeypatch.setattr(dispatch, "DENSE_TILED", True)
+    mlp = MLP(256, 512).to(torch.bfloat16)
+    mlp.fuse()
+    assert mlp._gate_up is not None and mlp._tiled == (None, None)
+    assert _tiled_copy(torch.randn(64, 256)) is None and _tiled_copy(None) is None
+    monkeypatch.setattr(dispatch, "DENSE_TILED", False)
+    assert _tiled_copy(torch.randn(64, 256).bfloat16()) is None
