@@ -89,7 +89,7 @@ def bench_shape(model: str, name: str, n: int, k: int, copy_gbs: float, do_sweep
                         "mma_best_config": mb.__dict__, "mma_all": [(t, c.__dict__) for t, c in mma]})
             line += (f" | mma {mma_us:7.2f} ({row['mma_pct_copy']:5.1f}%, x{cublas_us / mma_us:4.2f} cuBLAS) best "
                      f"{mb_us:7.2f} [{mb.tiles}, {mb.warps}, {mb.vec}, {mb.l2_fetch}]")
-            if m > 1 and mc.vec == 4 and n % 16 == 0 and k % 128 == 0:   # the same kernel on tile-major copies
+            if mc.vec == 4 and n % 16 == 0 and k % 128 == 0:             # the same kernel on tile-major copies
                 sw = name == "gate_up"
                 tiled = [tile_major(w, swiglu=sw) for w in ws]
                 if torch.equal(gemv_mma_dense(x, tiled[0], swiglu=sw), gemv_mma_dense(x, ws[0], swiglu=sw)):

@@ -194,6 +194,9 @@ tiled)  # random weights: the tile-major copy for verify rows (tests; the GEMVs 
             --json "$OUT/bench_gpu_tiled${p}_$i.json" 2>&1 | grep -v Warn | grep -A2 "^model graphs" \
             | sed "s/$/  TILED=$p/" >> "$OUT/tiled_tables.log"
     done; done
+    DSPARK_DENSE_TILED=1 DSPARK_DENSE_MMA_MIN_ROWS=1 timeout 100 python3 bench/bench_gpu.py --models 8b --batch 1 \
+        --iters 20 --no-draft 2>&1 | grep -v Warn | grep -A1 "^model graphs" | sed "s/$/  TILED=1, one row on mma/" \
+        >> "$OUT/tiled_tables.log"                                       # P1 with plain decode on the tiled mma GEMV
     for p in 0 1; do
         DSPARK_DENSE_TILED=$p timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_tiled$p.json" 2>&1 \
             | grep -v Warn | grep "^==\|target graph\|chained" | sed "s/^/TILED=$p /" >> "$OUT/tiled_tables.log"
