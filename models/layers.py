@@ -168,13 +168,16 @@ class AttentionProjections(nn.Module):
 
 
 def _tiled_copy(w: Tensor | None, swiglu: bool = False) -> Tensor | None:
-    """With dispatch.DENSE_TILED, a tile-major copy of a bf16 CUDA weight the mma GEMV can take (gemv_bf16_mma), for
-    its 2-16-row GEMVs; None otherwise."""
+    """With dispatch.DENSE_TILED, a tile-major copy of a bf16 weight on an sm_90 GPU that the mma GEMV can take
+    (gemv_bf16_mma), for its 2-16-row GEMVs; None otherwise (no memory spent where the kernel cannot run)."""
     from dspark_serve.kernels import dispatch
     if not (dispatch.DENSE_TILED and w is not None and w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2
             and w.shape[0] % 16 == 0 and w.shape[1] % 128 == 0):
         return None
     from dspark_serve.kernels.gemv_bf16_mma import tile_major
+    from dspark_serve.kernels.pdl import _sm90
+    if not _sm90(w.device.index if w.device.index is not None else torch.cuda.current_device()):
+        return None
     with torch.no_grad():
         return tile_major(w.detach(), swiglu)
 
