@@ -79,15 +79,6 @@ def tile_major(w: Tensor, swiglu: bool = False) -> Tensor:
     return t.contiguous().reshape(n // 16, k // 128, TILE_BLOCK)
 
 
-def untile(t: Tensor, swiglu: bool = False) -> Tensor:
-    """The inverse of tile_major -> [N, K]."""
-    tiles, chunks, _ = t.shape
-    t = t.reshape(tiles, chunks, 2, 4, 8, 4, 8)                       # (tile, chunk, h, v, g, t, e)
-    if swiglu:
-        return t.permute(2, 0, 4, 1, 3, 5, 6).reshape(16 * tiles, 128 * chunks)
-    return t.permute(0, 2, 4, 1, 3, 5, 6).reshape(16 * tiles, 128 * chunks)
-
-
 def _shape(w: Tensor) -> tuple[int, int]:
     """[N, K] of a row-major or tile-major weight."""
     return (16 * w.shape[0], 128 * w.shape[1]) if w.dim() == 3 else tuple(w.shape)
@@ -316,8 +307,8 @@ def _launch(x: Tensor, w: Tensor, bias: Tensor | None, cfg: MmaDenseConfig, swig
     rows = 8 if swiglu else 16
     on, opts = pdl.launch(x)
     _gemv_mma_dense_kernel[(triton.cdiv(inter, rows * cfg.tiles),)](
-        x, w, bias if bias is not None else w, out, m, n, k, inter, x.stride(0), k if tiled else w.stride(0),
-        out.stride(0),
+        x, w, bias if bias is not None else w, out, m, n, k, inter, x.stride(0),
+        k if tiled else w.stride(0), out.stride(0),                    # (tile-major: the row stride is unused)
         TILES=cfg.tiles, WARPS=cfg.warps, VEC=cfg.vec, TWO_B=m > 8, EVEN=(k // (32 * cfg.vec)) % cfg.warps == 0,
         HAS_BIAS=bias is not None, SWIGLU=swiglu, PDL=on, L2_FETCH=cfg.l2_fetch, LIBDEVICE=True, TILED=tiled,
         num_warps=cfg.warps, num_stages=1, **opts)

@@ -39,11 +39,13 @@ def test_kernel_compiles_for_sm90(m, n, k, cfg, swiglu, bias):
 def test_tile_major_puts_each_value_where_a_lane_reads_it(swiglu):
     """The kernel's tile-major addresses (tile j, chunk c, half h at 2048 bytes, vector v at 512, lane g * 4 + t at
     16) hold row 16j + 8h + g (SwiGLU: gate row 8j + g, its up row for h = 1) at K 128c + 32v + 8t + e, the K
-    slots of the row-major kernel; untile inverts it."""
+    slots of the row-major kernel; the inverse permutation gives w back."""
     n, k = 64, 384
     w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
     t = gm.tile_major(w, swiglu)
-    assert t.shape == (n // 16, k // 128, 2048) and torch.equal(gm.untile(t, swiglu), w)
+    blocks = t.reshape(n // 16, k // 128, 2, 4, 8, 4, 8)                   # (tile, chunk, h, v, g, t, e)
+    back = blocks.permute(2, 0, 4, 1, 3, 5, 6) if swiglu else blocks.permute(0, 2, 4, 1, 3, 5, 6)
+    assert t.shape == (n // 16, k // 128, 2048) and torch.equal(back.reshape(n, k), w)
     flat = t.reshape(-1)
     for j, c, h, v, g, tt in [(0, 0, 0, 0, 0, 0), (3, 2, 1, 3, 7, 3), (1, 1, 0, 2, 5, 1), (2, 0, 1, 1, 3, 2)]:
         lane_byte = ((j * (k // 128) + c) * 2048 * 2 + h * 2048 + v * 512 + (g * 4 + tt) * 16)
