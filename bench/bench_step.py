@@ -145,6 +145,47 @@ def timeline(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float]:
             "step_mean_us": sum(walls) / max(1, len(walls)) * 1e6}
 
 
+def first_steps(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float | str]:
+    """Host wall time of each scheduler step of one generation, ms: the first (prefill and the first token, which
+    reads its token back), the next three, the median of the rest, and the whole generation; then the prefill's
+    and the first decode step's wall time against their device time, kernel count and busiest host ops."""
+    llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    cuda = llm.target.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    walls, t0 = [], time.perf_counter()
+    while llm.has_unfinished():
+        t = time.perf_counter()
+        llm.step()
+        walls.append(time.perf_counter() - t)
+    if cuda:
+        torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    rest = sorted(walls[4:]) or [float("nan")]
+    out = {"prefill_ms": walls[0] * 1e3, "step1_ms": walls[1] * 1e3, "step2_ms": walls[2] * 1e3,
+           "step3_ms": walls[3] * 1e3, "rest_median_ms": rest[len(rest) // 2] * 1e3, "steps": len(walls),
+           "generation_ms": total * 1e3}
+    if cuda:  # the prefill and the first decode step again, profiled: device time, kernels, the top host ops
+        from torch.profiler import ProfilerActivity, profile
+        llm.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        for name in ("prefill", "step1"):
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                t = time.perf_counter()
+                llm.step()
+                torch.cuda.synchronize()
+                out[f"{name}_alone_ms"] = (time.perf_counter() - t) * 1e3
+            events = prof.key_averages()
+            out[f"{name}_device_ms"] = sum(e.self_device_time_total for e in events) / 1e3
+            out[f"{name}_kernels"] = sum(e.count for e in events if e.self_device_time_total > 0)
+            top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
+            out[f"{name}_host_top"] = "; ".join(f"{e.key[:40]} {e.count}x {e.self_cpu_time_total / 1e3:.2f}ms"
+                                                 for e in top)
+        while llm.has_unfinished():
+            llm.step()
+    return out
+
+
 def kernel_table(llm: LLM, prompt: list[int], tokens: int, top: int) -> str:
     """The device's kernels over one run (graph replays included), by total time, with calls per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -211,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "gc_pauses": len(pauses), "gc_ms": 1e3 * sum(pauses),
                         "target_graphs": graph_costs(llm.target.graphs._runners, args.device)}
         result[name]["timeline"] = timeline(llm, prompt, args.tokens)
+        result[name]["first_steps"] = first_steps(llm, prompt, args.tokens)
         if name == "spec":
             result[name]["draft_graphs"] = graph_costs(llm.draft.graphs._runners, args.device)
             chain = {False: [], True: []}  # the draft chained behind the verify launched ahead, off / on, alternated
@@ -231,6 +273,11 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"   draft chained behind the verify: off {off[0]:.3f} / {off[1]:.3f}, on {on[0]:.3f} / {on[1]:.3f} "
                   "ms/step (alternated)")
         print("   per step: " + ", ".join(f"{k} {v:.1f}" for k, v in r["timeline"].items()))
+        print("   one generation: " + ", ".join(f"{k} {v:.2f}" for k, v in r["first_steps"].items()
+                                             if not isinstance(v, str)))
+        for k, v in r["first_steps"].items():
+            if isinstance(v, str):
+                print(f"   {k}: {v}")
         for kind in ("target_graphs", "draft_graphs"):
             for key, c in r.get(kind, {}).items():
                 print(f"   {kind[:-7]} graph {key}: launch {c['host_us']:.1f} us host, {c['device_us']:.1f} us device")

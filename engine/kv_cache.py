@@ -56,7 +56,8 @@ def batch_metadata(block_tables: list[list[int]], starts: list[int], query_lens:
     as_dev = lambda x: torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
     return AttentionMetadata(cu_seqlens_q=as_dev(cu), seq_lens=as_dev(seq_lens), slot_mapping=as_dev(slots),
                              block_table=table.to(device, non_blocking=True), max_query_len=max(query_lens),
-                             max_seq_len=max(seq_lens), causal=causal, all_slots_valid=True)  # slots from tables
+                             max_seq_len=max(seq_lens), causal=causal, all_slots_valid=True,  # slots from tables
+                             prompt_lens=tuple(query_lens) if causal and not any(starts) else ())
 
 
 def positions_of(starts: list[int], query_lens: list[int], device: torch.device) -> torch.Tensor:

@@ -9,6 +9,8 @@ from dspark_serve.models.qwen import QwenForCausalLM
 
 from .cuda_graphs import TargetGraphs
 from .kv_cache import BlockAllocator, batch_metadata, positions_of
+from . import prompt_graphs
+from .prompt_graphs import PromptGraphs
 from .request import Request
 
 
@@ -24,14 +26,19 @@ class TargetSide:
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded tokens
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: TargetGraphs | None = None
+        self.prompts: PromptGraphs | None = None
         # Launch the next step before the host's bookkeeping of this one (engine/spec_step.py, _step_ahead).
         self.step_ahead = self.device.type == "cuda"
         self.ahead = None  # the step launched ahead (spec_step.Launched)
 
     def use_static_shapes(self, query_lens: tuple[int, ...], max_model_len: int, capture: bool | None = None) -> None:
-        """Decode/verify steps that fit a bucket run with static shapes (as CUDA graphs on CUDA)."""
-        self.graphs = TargetGraphs(self.model, self.cache, self.block_size, self.allocator.num_blocks * self.block_size,
-                                   query_lens, max_model_len, self.capture_layers, capture=capture)
+        """Decode/verify steps that fit a bucket, and the prefill of a few fresh prompts, run with static shapes (as
+        CUDA graphs on CUDA)."""
+        trash = self.allocator.num_blocks * self.block_size
+        self.graphs = TargetGraphs(self.model, self.cache, self.block_size, trash, query_lens, max_model_len,
+                                   self.capture_layers, capture=capture)
+        self.prompts = PromptGraphs(self.model, self.cache, self.block_size, trash, max_model_len,
+                                    self.capture_layers, capture=capture) if prompt_graphs.ENABLED else None
 
     @property
     def vocab_size(self) -> int:
@@ -71,6 +78,8 @@ class TargetSide:
         """
         starts = [r.num_computed for r in reqs]
         lens = [len(t) for t in tokens]
+        if last_only and self.prompts is not None and self.prompts.takes(starts, lens):
+            return self.prompts.run([r.target_blocks for r in reqs], tokens)
         shape = self.graphs.shape_for(starts, lens) if self.graphs is not None and not last_only else None
         if shape is not None:
             return self._run_static(reqs, starts, tokens, shape)[:2]

@@ -25,6 +25,7 @@ class AttentionMetadata:
     max_seq_len: int
     causal: bool = True
     all_slots_valid: bool = False  # no -1 in slot_mapping: the store needs no mask (and stays graph-capturable)
+    prompt_lens: tuple[int, ...] = ()  # host query lengths when every sequence starts at position 0 (fresh prompts)
 
     @property
     def num_reqs(self) -> int:
@@ -73,4 +74,25 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
         q_pad.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
         attn_mask=mask[:, None].expand(-1, 1, meta.max_query_len, -1), scale=scale,
         enable_gqa=num_heads != k.shape[2])  # [R, H, Q, D]
+    return out.transpose(1, 2)[req, off]
+
+
+def prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """paged_attention for fresh prompts (meta.prompt_lens, causal): each sequence attends to its own new tokens,
+    read back from the slots just written, in one causal SDPA (sequences padded at their end, which causal rows
+    never see) -> [num_tokens, num_heads, head_dim]."""
+    k = k_cache.view(-1, *k_cache.shape[2:])[meta.slot_mapping].to(q.dtype)  # [T, KV, D]
+    v = v_cache.view(-1, *v_cache.shape[2:])[meta.slot_mapping].to(q.dtype)
+    gqa = q.shape[1] != k.shape[1]
+    if len(meta.prompt_lens) == 1:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=gqa)
+        return out[0].transpose(0, 1)  # [1, H, T, D] -> [T, H, D]
+    req, off = _query_layout(meta, q.shape[0])
+    pads = []
+    for x in (q, k, v):
+        pad = x.new_zeros(meta.num_reqs, meta.max_query_len, *x.shape[1:])  # [R, Q, heads, D]
+        pad[req, off] = x
+        pads.append(pad.transpose(1, 2))
+    out = F.scaled_dot_product_attention(*pads, is_causal=True, scale=scale, enable_gqa=gqa)  # [R, H, Q, D]
     return out.transpose(1, 2)[req, off]

@@ -51,6 +51,10 @@ GEMV_SWIGLU = os.environ.get("DSPARK_GEMV_SWIGLU", "1") == "1"
 # turns it off
 PDL = os.environ.get("DSPARK_PDL", "1") == "1"
 
+# Fresh prompts longer than 16 tokens attend with one causal SDPA (attention.prompt_attention) instead of the paged
+# reference's ~20 ops per layer; DSPARK_PROMPT_SDPA=0 turns it off
+PROMPT_SDPA = os.environ.get("DSPARK_PROMPT_SDPA", "1") == "1"
+
 
 def use_triton(t: Tensor) -> bool:
     """Inference on bf16/fp32 CUDA tensors takes the Triton kernels unless DSPARK_TRITON=0 or Triton is missing;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dspark_serve.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from dspark_serve.kernels.attention import AttentionMetadata, paged_attention, prompt_attention, store_kv
 from dspark_serve.kernels import dispatch
 from dspark_serve.kernels.dispatch import use_triton
 
@@ -57,11 +57,14 @@ class DecoderLayer(nn.Module):
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """The Triton paged attention for decode/verify/draft-block queries (<= 16 per sequence), else the reference."""
+    """The Triton paged attention for decode/verify/draft-block queries (<= 16 per sequence), SDPA over fresh
+    prompts, else the reference."""
     if meta.max_query_len <= MAX_TRITON_QUERY:
         from dspark_serve.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    if meta.prompt_lens and dispatch.PROMPT_SDPA:
+        return prompt_attention(q, k_cache, v_cache, meta, scale)
     return paged_attention(q, k_cache, v_cache, meta, scale)
 
 

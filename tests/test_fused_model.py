@@ -17,6 +17,7 @@ if not INTERPRETED:
         rerun_under_interpreter(__file__)
 else:
     import dspark_serve.kernels.paged_attention_triton as pat
+    import dspark_serve.models.qwen as qwen
     from dspark_serve.engine.kv_cache import batch_metadata
     from dspark_serve.engine.llm import LLM
     from dspark_serve.engine.sampling_params import SamplingParams
@@ -24,7 +25,7 @@ else:
     from dspark_serve.models.random_init import _randomize, tiny_pair, tiny_target_config
 
     TABLES = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]  # block size 8: 40 slots per request
-    STEPS = [([0, 0], [20, 5]), ([20, 5], [1, 1]), ([21, 6], [8, 3])]  # prefill (reference attention), decode, verify
+    STEPS = [([0, 0], [20, 5]), ([20, 5], [1, 1]), ([21, 6], [8, 3])]  # prefill (prompt SDPA), decode, verify
 
     def _steps(model, fused: bool, monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
         monkeypatch.setenv("DSPARK_TRITON", "1" if fused else "0")
@@ -50,14 +51,16 @@ else:
         model.fuse_projections()
         assert model.model.layers[0].self_attn._qkv is not None and model.model.layers[0].mlp._gate_up is not None
         assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())  # views keep every parameter
-        calls = []
-        real = pat.paged_attention_triton
+        calls, prompts = [], []
+        real, real_prompt = pat.paged_attention_triton, qwen.prompt_attention
         monkeypatch.setattr(pat, "paged_attention_triton", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(qwen, "prompt_attention", lambda *a: prompts.append(1) or real_prompt(*a))
         for fused in (False, True):
             for (h, f), (h_ref, f_ref) in zip(_steps(model, fused, monkeypatch), want):
                 torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(f, f_ref, rtol=1e-4, atol=1e-4)
-        assert len(calls) == 2 * 3  # decode and verify on every layer; the 20-token prefill takes the reference
+        assert len(calls) == 2 * 3  # decode and verify on every layer
+        assert len(prompts) == 3  # the 20-token prefill of fresh prompts on every layer
 
     def test_draft_context_write_fast_path_equals_reference(monkeypatch):
         _, draft = tiny_pair(seed=2, block_size=6, dtype=torch.float32)

@@ -57,7 +57,7 @@ def test_static_verify_logits_and_features_match_dynamic():
             r = Request(str(i), p, SamplingParams(max_tokens=8), seed=0, num_speculative_tokens=3)
             r.target_blocks = side.allocator.allocate(len(p) + 8)
             reqs.append(r)
-        side.run(reqs, [r.prompt_ids for r in reqs], last_only=True)  # prefill (dynamic in both)
+        side.run(reqs, [r.prompt_ids for r in reqs], last_only=True)  # prefill (prompt graphs in the static one)
         for r in reqs:
             r.num_computed = len(r.prompt_ids)
         verify = [[7, 8, 9], [1], [4, 5, 6, 7]]  # rows of 3, 1 and 4 tokens
@@ -70,6 +70,34 @@ def test_static_verify_logits_and_features_match_dynamic():
     # the verify wrote K/V for real tokens only: both caches agree on every live block, the trash block aside
     live = sides[0].allocator.num_blocks
     assert torch.allclose(sides[0].cache[:, :, :live], sides[1].cache[:, :, :live], atol=1e-6)
+
+
+@pytest.mark.parametrize("lens", [[1, 32, 47], [30, 2, 9, 17, 5]])
+def test_prompt_graphs_match_dynamic_prefill(lens):
+    target, draft = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
+    sides = [TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids) for _ in range(2)]
+    sides[1].use_static_shapes((1, 4), max_model_len=128)
+    assert sides[1].prompts.lengths == (32, 48, 64, 96, 128)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in lens]
+    outs = []
+    for side in sides:
+        reqs = []
+        for i, p in enumerate(prompts):
+            r = Request(str(i), p, SamplingParams(max_tokens=8), seed=0, num_speculative_tokens=3)
+            r.target_blocks = side.allocator.allocate(len(p) + 8)
+            reqs.append(r)
+        outs.append(side.run(reqs, prompts, last_only=True))
+    (la, fa), (lb, fb) = outs
+    assert la.shape == lb.shape == (len(lens), 1, target.config.vocab_size)
+    torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
+    for a, b, n in zip(fa, fb, lens):
+        assert b.shape == (n, a.shape[1])
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    live = sides[0].allocator.num_blocks  # the prompts' K/V, the padding's in the trash block only
+    torch.testing.assert_close(sides[1].cache[:, :, :live], sides[0].cache[:, :, :live], atol=1e-5, rtol=1e-5)
+    built = set(sides[1].prompts._runners)
+    assert built == ({32, 48} if len(lens) <= 4 else set())  # five fresh prompts run eagerly as one batch
 
 
 @pytest.mark.parametrize("topk", [0, 8])

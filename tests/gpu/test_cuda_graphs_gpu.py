@@ -30,3 +30,17 @@ def test_graph_replay_equals_eager(with_draft, dtype):
     assert len(graphs.target.graphs._runners) >= 2  # batch buckets 8 and, as requests finish, smaller ones (4, 2, 1)
     if with_draft:
         assert graphs.draft.graphs.capture and {k[2] for k in graphs.draft.graphs._runners} == {False, True}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_prompt_graphs_equal_eager_prefill(dtype):
+    target, draft = tiny_pair(seed=5, agree=0.002, block_size=6, dtype=dtype)
+    target, draft = target.cuda(), draft.cuda()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (1, 12, 40, 300)]
+    kw = dict(device="cuda", block_size=8, num_kv_blocks=256, max_model_len=512)
+    eager, graphs = LLM(target, draft, enforce_eager=True, **kw), LLM(target, draft, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for p in prompts:  # one at a time: each prefill replays its length bucket's graph
+        assert graphs.generate([p], params)[0].token_ids == eager.generate([p], params)[0].token_ids
+    assert graphs.target.prompts.capture and set(graphs.target.prompts._runners) == {32, 48, 384}

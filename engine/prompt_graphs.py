@@ -1,0 +1,87 @@
+"""CUDA graphs for the target's prefill of fresh prompts (no cached context), so that a prompt costs its device
+time instead of one host launch per kernel.
+
+A prompt is padded at its end to a length bucket; under causal attention no real token sees the padding, whose
+K/V go to the trash slot. The graph returns the last real token's logits and every token's features. Several
+fresh prompts (up to MAX_PROMPTS) replay one graph each, one after another; more run eagerly as one batch. On CPU
+the same static path runs eagerly: that is what the CPU tests compare with the dynamic path.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from dspark_serve.kernels.attention import AttentionMetadata
+from dspark_serve.models.qwen import QwenForCausalLM
+
+from .cuda_graphs import Staging, _bucket, capture
+from .kv_cache import slots_of
+
+PROMPT_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # padding wastes < 1.5x
+MAX_PROMPTS = 4  # fresh prompts prefilled one graph each; a larger batch runs eagerly at once
+ENABLED = os.environ.get("DSPARK_PROMPT_GRAPHS", "1") == "1"  # DSPARK_PROMPT_GRAPHS=0: every prefill runs eagerly
+
+
+class PromptGraphs:
+    def __init__(self, model: QwenForCausalLM, cache: Tensor, block_size: int, trash_slot: int,
+                 max_model_len: int, capture_layers: tuple[int, ...] = (), capture: bool | None = None) -> None:
+        self.model, self.cache, self.block_size, self.trash = model, cache, block_size, trash_slot
+        self.capture_layers, self.device = capture_layers, cache.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        top = _bucket(max_model_len, PROMPT_BUCKETS) or PROMPT_BUCKETS[-1]
+        self.lengths = tuple(n for n in PROMPT_BUCKETS if n <= top)
+        self.staging = Staging(2 * top + 1 + -(-top // block_size), torch.int64, self.device)
+        self._runners: dict[int, Callable[[], tuple[Tensor, Tensor | None]]] = {}
+        self._pool = None
+
+    def takes(self, starts: list[int], lens: list[int]) -> bool:
+        """Whether run() takes these sequences: fresh prompts, few enough, each within the largest bucket."""
+        return 0 < len(lens) <= MAX_PROMPTS and not any(starts) and max(lens) <= self.lengths[-1]
+
+    @torch.inference_mode()
+    def run(self, block_tables: list[list[int]], prompts: list[list[int]]) -> tuple[Tensor, list[Tensor | None]]:
+        """Each prompt at positions 0.. of its blocks -> logits [R, 1, V] fp32 of its last token, and per prompt
+        its features [len, F] (owned copies), as TargetSide.run(..., last_only=True) returns them."""
+        logits, feats = [], []
+        for blocks, ids in zip(block_tables, prompts):
+            n = len(ids)
+            length = _bucket(n, self.lengths)
+            w = -(-length // self.block_size)
+            table = blocks[:w] + [0] * (w - min(len(blocks), w))  # past the prompt: never attended
+            self.staging.upload(ids + [0] * (length - n) + slots_of(blocks, 0, n, self.block_size)
+                                + [self.trash] * (length - n) + [n - 1] + table)
+            if length not in self._runners:
+                self._runners[length] = self._build(length)
+            row, f = self._runners[length]()
+            logits.append(row.clone() if len(prompts) > 1 else row)
+            feats.append(f[:n].clone() if f is not None else None)
+        return (torch.cat(logits) if len(logits) > 1 else logits[0])[:, None], feats
+
+    def _build(self, length: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
+        d, w = self.staging.dev, -(-length // self.block_size)
+        ids, slots, last = d[:length], d[length:2 * length], d[2 * length:2 * length + 1]
+        positions = torch.arange(length, device=self.device)
+        meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, length], device=self.device),
+                                 seq_lens=torch.tensor([length], device=self.device), slot_mapping=slots,
+                                 block_table=d[2 * length + 1:2 * length + 1 + w].view(1, w), max_query_len=length,
+                                 max_seq_len=length, causal=True, all_slots_valid=True, prompt_lens=(length,))
+
+        def forward() -> tuple[Tensor, Tensor | None]:
+            hidden, feats = self.model(ids, positions, meta, self.cache, capture_layers=self.capture_layers)
+            return self.model.compute_logits(hidden.index_select(0, last)), feats  # [1, V], [length, F]
+        if not self.capture:
+            return forward
+        step = d[:2 * length + 1 + w].clone()  # this prompt's inputs; capture runs on padding only
+        self.staging.upload([0] * length + [self.trash] * length + [0] * (1 + w))
+        try:
+            replay, self._pool = capture(forward, self._pool)
+        except RuntimeError as e:  # keep serving: this and later prompts run the static path eagerly
+            warnings.warn(f"CUDA graph capture failed for a prompt of {length} tokens, running eagerly: {e}")
+            self.capture, replay = False, forward
+        d[:step.numel()].copy_(step)
+        return replay
