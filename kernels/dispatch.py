@@ -37,9 +37,12 @@ DENSE_GEMV_ROWS = int(os.environ.get("DSPARK_DENSE_GEMV_ROWS", "1"))
 # DSPARK_DENSE_MMA=0 turns it off
 DENSE_MMA = os.environ.get("DSPARK_DENSE_MMA", "1") == "1"
 DENSE_MMA_MIN_ROWS = int(os.environ.get("DSPARK_DENSE_MMA_MIN_ROWS", "2"))
-# Opt-in: the fused layers keep a tile-major copy of their bf16 projections (gemv_bf16_mma.tile_major: twice their
-# memory) for those rows, read in 512-byte runs (8B verify 1 + 7 on an H200: see bench/RESULTS.md); DSPARK_DENSE_TILED=1
-DENSE_TILED = os.environ.get("DSPARK_DENSE_TILED", "0") == "1"
+# The fused layers keep a tile-major copy of their bf16 projections (gemv_bf16_mma.tile_major: twice their memory)
+# for those rows, read in 512-byte runs (demo-shape verify graph on an H200: 766 instead of 827 us; 8B verify 1 + 7:
+# 4.50 instead of 4.62 ms, bench/RESULTS.md), by default when the copies take at most DENSE_TILED_MAX_FRACTION of
+# the GPU's memory (models/layers.keep_tile_major); DSPARK_DENSE_TILED=1 always, =0 never
+DENSE_TILED = os.environ.get("DSPARK_DENSE_TILED", "auto")
+DENSE_TILED_MAX_FRACTION = 0.02
 # The target's lm_head takes `linear` (the GEMVs above) instead of cuBLAS (8B lm_head alone: 278 / 285 instead of
 # 296 / 299 us at 1 / 8 rows); DSPARK_LM_HEAD_GEMV=0 turns it off
 LM_HEAD_GEMV = os.environ.get("DSPARK_LM_HEAD_GEMV", "1") == "1"

@@ -10,7 +10,7 @@ from dspark_serve.kernels.attention import AttentionMetadata, store_kv
 from dspark_serve.kernels.dispatch import use_triton
 
 from .draft_config import DraftConfig
-from .layers import RMSNorm, Rotary
+from .layers import RMSNorm, Rotary, keep_tile_major
 from .qwen import DecoderLayer, run_layers
 
 
@@ -116,9 +116,11 @@ class DSparkDraft(nn.Module):
         return run_layers(self.layers, x, cos, sin, kv_cache, meta, self.norm, {})
 
     def fuse_projections(self) -> None:
-        """DecoderLayer.fuse for every layer (NVFP4 projections stay separate)."""
+        """DecoderLayer.fuse for every layer (NVFP4 projections stay separate), with tile-major copies of bf16 ones
+        where layers.keep_tile_major says so."""
+        tiled = keep_tile_major(self.layers)
         for layer in self.layers:
-            layer.fuse()
+            layer.fuse(tiled)
 
     def base_logits(self, hidden: Tensor) -> Tensor:
         """[.., hidden] -> U [.., draft_vocab] fp32, times logit_scale."""

@@ -79,13 +79,14 @@ class MLP(nn.Module):
         down = self.down_proj
         return linear(h, down.weight, down.bias, self._tiled[1]) if type(down) is nn.Linear else down(h)
 
-    def fuse(self) -> None:
+    def fuse(self, tiled: bool = False) -> None:
         """One [2I, hidden] weight for gate and up; their parameters become views into it (inference only). NVFP4
-        gate and up become one NVFP4Stack."""
+        gate and up become one NVFP4Stack. `tiled`: also keep tile-major copies (_tiled_copy)."""
         if self._gate_up is None and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
             self._gate_up = concat_as_views([self.gate_proj.weight, self.up_proj.weight])
             down = self.down_proj.weight if type(self.down_proj) is nn.Linear else None
-            self._tiled = (_tiled_copy(self._gate_up, swiglu=True), _tiled_copy(down))
+            if tiled:
+                self._tiled = (_tiled_copy(self._gate_up, swiglu=True), _tiled_copy(down))
         elif self._gate_up_q4 is None and _all_nvfp4(self.gate_proj, self.up_proj):
             self._gate_up_q4 = NVFP4Stack([self.gate_proj, self.up_proj])
 
@@ -118,15 +119,16 @@ class AttentionProjections(nn.Module):
             q = self.q_norm(q)
         return Rotary.apply(q, cos, sin)
 
-    def fuse(self) -> None:
+    def fuse(self, tiled: bool = False) -> None:
         """One [q + 2 kv, hidden] weight (and bias) for q/k/v; their parameters become views into it (inference).
-        NVFP4 q/k/v become one NVFP4Stack."""
+        NVFP4 q/k/v become one NVFP4Stack. `tiled`: also keep tile-major copies (_tiled_copy)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if self._qkv is None and all(type(p) is nn.Linear for p in projs):
             bias = concat_as_views([p.bias for p in projs]) if self.q_proj.bias is not None else None
             self._qkv = (concat_as_views([p.weight for p in projs]), bias)
             o = self.o_proj.weight if type(self.o_proj) is nn.Linear else None
-            self._tiled = (_tiled_copy(self._qkv[0]), _tiled_copy(o))
+            if tiled:
+                self._tiled = (_tiled_copy(self._qkv[0]), _tiled_copy(o))
         elif self._qkv_q4 is None and _all_nvfp4(*projs):
             self._qkv_q4 = NVFP4Stack(list(projs))
 
@@ -167,11 +169,22 @@ class AttentionProjections(nn.Module):
         return Rotary.apply(k, cos, sin), v
 
 
-def _tiled_copy(w: Tensor | None, swiglu: bool = False) -> Tensor | None:
-    """With dispatch.DENSE_TILED, a tile-major copy of a bf16 weight on an sm_90 GPU that the mma GEMV can take
-    (gemv_bf16_mma), for its 2-16-row GEMVs; None otherwise (no memory spent where the kernel cannot run)."""
+def keep_tile_major(layers: nn.ModuleList) -> bool:
+    """Whether the layers' fuse() keeps tile-major copies of their bf16 projections: dispatch.DENSE_TILED "1" or
+    "0", by default when the copies take at most dispatch.DENSE_TILED_MAX_FRACTION of the GPU's memory."""
     from dspark_serve.kernels import dispatch
-    if not (dispatch.DENSE_TILED and w is not None and w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2
+    if dispatch.DENSE_TILED != "auto":
+        return dispatch.DENSE_TILED == "1"
+    ws = [m.weight for m in layers.modules() if type(m) is nn.Linear and m.weight.is_cuda
+          and m.weight.dtype == torch.bfloat16]
+    return bool(ws) and sum(w.numel() * 2 for w in ws) <= \
+        dispatch.DENSE_TILED_MAX_FRACTION * torch.cuda.get_device_properties(ws[0].device).total_memory
+
+
+def _tiled_copy(w: Tensor | None, swiglu: bool = False) -> Tensor | None:
+    """A tile-major copy of a bf16 weight on an sm_90 GPU that the mma GEMV can take (gemv_bf16_mma), for its
+    2-16-row GEMVs; None otherwise (no memory spent where the kernel cannot run)."""
+    if not (w is not None and w.is_cuda and w.dtype == torch.bfloat16 and w.dim() == 2
             and w.shape[0] % 16 == 0 and w.shape[1] % 128 == 0):
         return None
     from dspark_serve.kernels.gemv_bf16_mma import tile_major

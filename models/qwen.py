@@ -10,7 +10,7 @@ from dspark_serve.kernels import dispatch
 from dspark_serve.kernels.dispatch import use_triton
 
 from .config import ModelConfig
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary, keep_tile_major
 
 
 MAX_TRITON_QUERY = 16  # = paged_attention_triton.MAX_QUERY_LEN (not imported here: Triton is optional)
@@ -35,10 +35,11 @@ class DecoderLayer(nn.Module):
         x = x + attn.o_proj(o.reshape(x.shape[0], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def fuse(self) -> None:
-        """q/k/v and gate/up each as one GEMM for inference (parameters become views; after moving the model)."""
-        self.self_attn.fuse()
-        self.mlp.fuse()
+    def fuse(self, tiled: bool = False) -> None:
+        """q/k/v and gate/up each as one GEMM for inference (parameters become views; after moving the model);
+        `tiled`: with tile-major copies for verify rows (layers._tiled_copy)."""
+        self.self_attn.fuse(tiled)
+        self.mlp.fuse(tiled)
 
     def forward_fused(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor,
                       meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -134,9 +135,10 @@ class QwenForCausalLM(nn.Module):
         return hidden, captured
 
     def fuse_projections(self) -> None:
-        """DecoderLayer.fuse for every layer."""
+        """DecoderLayer.fuse for every layer, with tile-major copies where layers.keep_tile_major says so."""
+        tiled = keep_tile_major(self.model.layers)
         for layer in self.model.layers:
-            layer.fuse()
+            layer.fuse(tiled)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[T, hidden] -> [T, vocab] fp32 (with dispatch.LM_HEAD_GEMV, decode rows through the Triton GEMVs)."""

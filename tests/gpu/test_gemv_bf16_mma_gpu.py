@@ -114,23 +114,26 @@ def test_tile_major_weights_give_the_same_bits(n, k, cfg, m):
 
 
 def test_fused_layers_keep_a_tile_major_copy(monkeypatch):
-    """DSPARK_DENSE_TILED: fuse() keeps tile-major copies of qkv, o, gate/up and down; verify rows read them and
-    give the row-major GEMV's bits; one row (plain decode) is untouched."""
+    """fuse(tiled=True) keeps tile-major copies of qkv, o, gate/up and down; verify rows read them and give the
+    row-major GEMV's bits; one row (plain decode) is untouched. The default policy keeps them for a small model."""
+    from dspark_serve.models.layers import keep_tile_major
     from dspark_serve.models.config import ModelConfig
     from dspark_serve.models.layers import MLP, AttentionProjections
     cfg = ModelConfig(arch="qwen3", vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=1,
                       num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, max_position=512,
                       tie_word_embeddings=False, dtype=torch.bfloat16)
-    monkeypatch.setattr(dispatch, "DENSE_TILED", False)
     mlp, attn = MLP(512, 1536).to(DEV, torch.bfloat16), AttentionProjections(cfg).to(DEV, torch.bfloat16)
+    monkeypatch.setattr(dispatch, "DENSE_TILED", "auto")
+    assert keep_tile_major(torch.nn.ModuleList([mlp, attn]))  # 6 MB of projections
+    monkeypatch.setattr(dispatch, "DENSE_TILED", "0")
+    assert not keep_tile_major(torch.nn.ModuleList([mlp, attn]))
     mlp.fuse(), attn.fuse()
     assert mlp._tiled == (None, None) and attn._tiled == (None, None)
     x, o = torch.randn(8, 512, device=DEV).bfloat16(), torch.randn(8, 512, device=DEV).bfloat16()
     want_mlp, want_o = mlp.forward_fused(x), attn.output(o)
-    monkeypatch.setattr(dispatch, "DENSE_TILED", True)
     mlp2, attn2 = MLP(512, 1536).to(DEV, torch.bfloat16), AttentionProjections(cfg).to(DEV, torch.bfloat16)
     mlp2.load_state_dict(mlp.state_dict()), attn2.load_state_dict(attn.state_dict())
-    mlp2.fuse(), attn2.fuse()
+    mlp2.fuse(tiled=True), attn2.fuse(tiled=True)
     assert [t.shape for t in mlp2._tiled] == [(1536 // 8, 4, 2048), (512 // 16, 12, 2048)]
     assert [t.shape for t in attn2._tiled] == [(768 // 16, 4, 2048), (512 // 16, 4, 2048)]
     assert torch.equal(mlp2.forward_fused(x), want_mlp) and torch.equal(attn2.output(o), want_o)
