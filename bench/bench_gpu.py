@@ -89,20 +89,25 @@ def requests(batch: int, context: int, n_draft: int) -> list[Request]:
     return reqs
 
 
-def parse_dispatch(spec: str) -> dict[str, float]:
-    """"PDL=1,DENSE_GEMV=0" -> {"PDL": 1.0, "DENSE_GEMV": 0.0}: kernels/dispatch.py switches."""
+def parse_dispatch(spec: str) -> dict[str, bool | int | float | str]:
+    """"PDL=1,DENSE_GEMV=0" -> {"PDL": True, "DENSE_GEMV": False}: kernels/dispatch.py switches, each value of
+    its switch's type."""
     out = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if not hasattr(dispatch, key) or key.startswith("_") or not value:
             raise SystemExit(f"--dispatch: {item!r} is not NAME=VALUE for a kernels/dispatch.py switch")
-        out[key] = float(value)
+        kind = type(getattr(dispatch, key))
+        try:
+            out[key] = value not in ("0", "false", "False") if kind is bool else kind(value)
+        except ValueError:
+            raise SystemExit(f"--dispatch: {item!r}: {key} takes a {kind.__name__}") from None
     return out
 
 
-def set_dispatch(settings: dict[str, float]) -> None:
+def set_dispatch(settings: dict[str, bool | int | float | str]) -> None:
     for key, value in settings.items():
-        setattr(dispatch, key, type(getattr(dispatch, key))(value))
+        setattr(dispatch, key, value)
 
 
 def bench_target(name: str, batches: list[int], context: int, device: str, dtype: torch.dtype, iters: int,
