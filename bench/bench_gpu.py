@@ -122,7 +122,8 @@ def bench_target(name: str, batches: list[int], context: int, device: str, dtype
     runs = [(True, v) for _ in range(repeat) for v in variants] if variants else [(True, None), (False, None)]
     saved = {k: getattr(dispatch, k) for v in variants or [] for k in parse_dispatch(v)}
     for static, variant in runs:
-        if variant is not None:
+        if variant is not None:  # every variant starts from the defaults: the others' switches do not carry over
+            set_dispatch(saved)
             set_dispatch(parse_dispatch(variant))
         side = TargetSide(model, need, BLOCK)
         if static:

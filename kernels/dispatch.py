@@ -46,6 +46,9 @@ DENSE_TILED_MAX_FRACTION = 0.02
 # The target's lm_head takes `linear` (the GEMVs above) instead of cuBLAS (8B lm_head alone: 278 / 285 instead of
 # 296 / 299 us at 1 / 8 rows); DSPARK_LM_HEAD_GEMV=0 turns it off
 LM_HEAD_GEMV = os.environ.get("DSPARK_LM_HEAD_GEMV", "1") == "1"
+# The one-row GEMV applies the decoder layer's RMSNorm (and residual add) before q/k/v and gate/up itself, instead
+# of a separate norm launch (gemv_bf16.norm_linear); DSPARK_NORM_GEMV=0 turns it off
+NORM_GEMV = os.environ.get("DSPARK_NORM_GEMV", "1") == "1"
 # That GEMV computes SwiGLU in the gate/up projection's epilogue (no silu_mul launch); DSPARK_GEMV_SWIGLU=0 turns
 # it off
 GEMV_SWIGLU = os.environ.get("DSPARK_GEMV_SWIGLU", "1") == "1"

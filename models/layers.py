@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -9,6 +11,9 @@ from torch import Tensor, nn
 from .config import ModelConfig
 from .nvfp4_linear import NVFP4Linear, NVFP4Stack
 from .views import concat_as_views
+
+if TYPE_CHECKING:
+    from dspark_serve.kernels.gemv_bf16 import Norm
 
 
 class RMSNorm(nn.Module):
@@ -68,14 +73,28 @@ class MLP(nn.Module):
     def forward_fused(self, x: Tensor) -> Tensor:
         """forward() with one gate/up GEMM (after fuse()) and the Triton silu*mul (one row: in the GEMV's epilogue)."""
         from dspark_serve.kernels.fused_ops import silu_mul
-        from dspark_serve.kernels.gemv_bf16 import linear, linear_silu_mul
+        from dspark_serve.kernels.gemv_bf16 import linear_silu_mul
 
         if self._gate_up is not None:
-            h = linear_silu_mul(x, self._gate_up, self._tiled[0])
-        else:
-            gate_up = self._gate_up_q4(x) if self._gate_up_q4 is not None else \
-                torch.cat((self.gate_proj(x), self.up_proj(x)), -1)
-            h = silu_mul(gate_up)  # [T, I]
+            return self._down(linear_silu_mul(x, self._gate_up, self._tiled[0]))
+        gate_up = self._gate_up_q4(x) if self._gate_up_q4 is not None else \
+            torch.cat((self.gate_proj(x), self.up_proj(x)), -1)
+        return self._down(silu_mul(gate_up))  # [T, I]
+
+    def forward_normed(self, x: Tensor, norm: "Norm") -> tuple[Tensor, Tensor]:
+        """forward_fused(RMSNorm(x [+ residual])) (norm: gemv_bf16.Norm) and the new residual; the one-row gate/up
+        GEMV applies the norm itself."""
+        from dspark_serve.kernels.gemv_bf16 import apply_norm, norm_linear_silu_mul
+
+        if self._gate_up is not None:
+            h, residual = norm_linear_silu_mul(x, norm, self._gate_up, self._tiled[0])
+            return self._down(h), residual
+        h, residual = apply_norm(x, norm)
+        return self.forward_fused(h), residual
+
+    def _down(self, h: Tensor) -> Tensor:
+        from dspark_serve.kernels.gemv_bf16 import linear
+
         down = self.down_proj
         return linear(h, down.weight, down.bias, self._tiled[1]) if type(down) is nn.Linear else down(h)
 
@@ -132,27 +151,28 @@ class AttentionProjections(nn.Module):
         elif self._qkv_q4 is None and _all_nvfp4(*projs):
             self._qkv_q4 = NVFP4Stack(list(projs))
 
-    def qkv_fused(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                  slot_mapping: Tensor) -> Tensor:
-        """query() and key_value() with one GEMM (after fuse()) and one Triton launch for the q/k norms, RoPE and
-        the k/v write into the cache slots (attention.store_kv) -> q [T, H, D]."""
+    def qkv_fused(self, x: Tensor, norm: "Norm", cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  slot_mapping: Tensor) -> tuple[Tensor, Tensor]:
+        """query() and key_value() of RMSNorm(x [+ residual]) (norm: gemv_bf16.Norm, the input norm) with one GEMM
+        (after fuse(); the one-row GEMV applies the norm itself) and one Triton launch for the q/k norms, RoPE and
+        the k/v write into the cache slots (attention.store_kv) -> (q [T, H, D], the new residual)."""
         from dspark_serve.kernels.fused_ops import qk_norm_rotary
-        from dspark_serve.kernels.gemv_bf16 import linear
+        from dspark_serve.kernels.gemv_bf16 import apply_norm, norm_linear
 
         t, d = x.shape[0], self.head_dim
         if self._qkv is not None:
-            qkv = linear(x, *self._qkv, self._tiled[0])  # [T, (H + 2 KV) * D]
-        elif self._qkv_q4 is not None:
-            qkv = self._qkv_q4(x)
+            qkv, residual = norm_linear(x, norm, *self._qkv, self._tiled[0])  # [T, (H + 2 KV) * D]
         else:
-            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)
+            x, residual = apply_norm(x, norm)
+            qkv = self._qkv_q4(x) if self._qkv_q4 is not None else \
+                torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)
         q = qkv[:, :self.num_heads * d].view(t, self.num_heads, d)
         k = qkv[:, self.num_heads * d:(self.num_heads + self.num_kv_heads) * d].view(t, self.num_kv_heads, d)
         v = qkv[:, (self.num_heads + self.num_kv_heads) * d:].view(t, self.num_kv_heads, d)
         qw = self.q_norm.weight if self.q_norm is not None else None
         kw = self.k_norm.weight if self.k_norm is not None else None
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        return qk_norm_rotary(q, k, cos, sin, qw, kw, eps, (v, k_cache, v_cache, slot_mapping))[0]
+        return qk_norm_rotary(q, k, cos, sin, qw, kw, eps, (v, k_cache, v_cache, slot_mapping))[0], residual
 
     def output(self, o: Tensor) -> Tensor:
         """o_proj of the attention output [T, H * D], through the dense GEMV path of the fused layers."""

@@ -45,16 +45,12 @@ class DecoderLayer(nn.Module):
                       meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """forward() on the Triton kernels, residual adds fused into the norms: x is the previous layer's MLP output
         not yet added to `residual` (None before the first layer) -> (this layer's MLP output, its residual)."""
-        from dspark_serve.kernels.fused_ops import rms_norm
-
         attn, ln = self.self_attn, self.input_layernorm
-        h, residual = (rms_norm(x, ln.weight, ln.eps), x) if residual is None else \
-            rms_norm(x, ln.weight, ln.eps, residual)
-        q = attn.qkv_fused(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping)  # k, v go to the cache
+        q, residual = attn.qkv_fused(x, (ln.weight, ln.eps, residual), cos, sin, kv_cache[0], kv_cache[1],
+                                     meta.slot_mapping)  # k, v go to the cache
         o = attention(q, kv_cache[0], kv_cache[1], meta, attn.scale)  # [T, H, D]
         ln = self.post_attention_layernorm
-        h, residual = rms_norm(attn.output(o.reshape(x.shape[0], -1)), ln.weight, ln.eps, residual)
-        return self.mlp.forward_fused(h), residual
+        return self.mlp.forward_normed(attn.output(o.reshape(x.shape[0], -1)), (ln.weight, ln.eps, residual))
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

@@ -55,6 +55,36 @@ else:
         ref = torch.nn.functional.silu(gu[:, :n // 2]) * gu[:, n // 2:]
         assert ((got.double() - ref).abs() <= 2 ** -6 * ref.abs() + 1e-3 * ref.abs().max()).all()
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("swiglu", [False, True])
+    @pytest.mark.parametrize("with_res,k,cfg", [(True, 480, None), (False, 200, DenseGemvConfig(8, 64)),
+                                                (True, 96, DenseGemvConfig(4, 32))])
+    def test_fused_norm_equals_rms_norm_then_gemv(dtype, swiglu, with_res, k, cfg):
+        """norm=: the GEMV applies RMSNorm(x + residual) itself; the new residual has rms_norm's bits, the
+        output the unfused pair's values up to the norm's summation order (K tails and one-chunk K included)."""
+        from dspark_serve.kernels.fused_ops import rms_norm
+        x, w, _ = _operands(1, 2 * 24, k, dtype, seed=k)
+        g = torch.Generator().manual_seed(k + 1)
+        res = torch.randn(1, k, generator=g).to(dtype) if with_res else None
+        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+        got, got_res = gemv(x, w, config=cfg, swiglu=swiglu, norm=(nw, 1e-6, res))
+        h, want_res = rms_norm(x, nw, 1e-6, res) if with_res else (rms_norm(x, nw, 1e-6), x)
+        want = gemv(h, w, config=cfg, swiglu=swiglu)
+        assert torch.equal(got_res, want_res) and (with_res or got_res is x)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        tol = 2 ** -6 if dtype == torch.bfloat16 else 1e-5
+        assert ((got.float() - want.float()).abs() <= tol * want.float().abs() + tol * want.float().abs().max()).all()
+
+    def test_fused_norm_rejects_bad_input():
+        x, w, _ = _operands(2, 16, 64, torch.bfloat16)
+        nw = torch.ones(64).bfloat16()
+        with pytest.raises(ValueError, match="one row"):
+            gemv(x, w, norm=(nw, 1e-6, None))
+        with pytest.raises(ValueError, match=r"norm weight must be a contiguous \[64\]"):
+            gemv(x[:1], w, norm=(nw[:32], 1e-6, None))
+        with pytest.raises(ValueError, match="residual must be"):
+            gemv(x[:1], w, norm=(nw, 1e-6, x[:1].float()))
+
     def test_gemv_rejects_bad_input():
         x, w, b = _operands(2, 16, 64, torch.bfloat16)
         with pytest.raises(ValueError, match="M <= 16"):

@@ -170,9 +170,14 @@ def test_decode_kernels_wait_first_with_pdl(monkeypatch):
             # K a multiple of the K tile (the masks without the K tail), plain and SwiGLU
             (g, ("_gemv_kernel",), lambda: g.gemv(x2, torch.randn(96, 2048).bfloat16())),
             (g, ("_gemv_kernel",), lambda: g.gemv(torch.randn(8, 2048).bfloat16(), torch.randn(96, 2048).bfloat16())),
-            (g, ("_gemv_kernel",), lambda: g.gemv(x2, torch.randn(96, 2048).bfloat16(), swiglu=True))):
+            (g, ("_gemv_kernel",), lambda: g.gemv(x2, torch.randn(96, 2048).bfloat16(), swiglu=True)),
+            # the layer's RMSNorm fused in (the residual written after the wait)
+            (g, ("_gemv_kernel",), lambda: g.gemv(x2, torch.randn(96, 2048).bfloat16(),
+                                                  norm=(torch.ones(2048).bfloat16(), 1e-6, x2.clone()))),
+            (g, ("_gemv_kernel",), lambda: g.gemv(x, torch.randn(96, 512).bfloat16(), swiglu=True,
+                                                  norm=(w, 1e-6, None)))):
         launches += sass_loop.record_launches(module, names, call)
-    assert len(launches) == 10
+    assert len(launches) == 12
     for fn, args, kw in launches:
         for on in (True, False):
             ptx = sass_loop.compile_sm90(fn, args, kw, {"LIBDEVICE": True, "DOT_F32": False, "PDL": on}).asm["ptx"]

@@ -72,3 +72,45 @@ def test_swiglu_epilogue_is_silu_mul_of_the_gemv(i, k):
     x = torch.randn(1, k, device=DEV).bfloat16()
     assert torch.equal(gemv(x, w, swiglu=True), silu_mul(gemv(x, w)))
 
+
+
+@pytest.mark.parametrize("hidden,inter,heads,kv,d", [(4096, 12288, 32, 8, 128), (896, 4864, 14, 2, 64)])
+def test_decoder_layer_norms_fused_into_the_gemvs(hidden, inter, heads, kv, d, monkeypatch):
+    """DSPARK_NORM_GEMV: at one row the q/k/v and gate/up GEMVs apply the layer's RMSNorms themselves (4 launches
+    fewer); the layer's output and residual match the separate norms' (the residual bit for bit) at the 8B and
+    0.5B shapes, with and without a residual coming in; 8 rows keep the separate norms."""
+    from dspark_serve.kernels.attention import AttentionMetadata
+    from dspark_serve.kernels.fused_ops import rms_norm
+    from dspark_serve.models.config import ModelConfig
+    from dspark_serve.models.qwen import DecoderLayer
+    cfg = ModelConfig(arch="qwen3", vocab_size=256, hidden_size=hidden, intermediate_size=inter, num_layers=1,
+                      num_heads=heads, num_kv_heads=kv, head_dim=d, rms_norm_eps=1e-6, rope_theta=1e6,
+                      max_position=512, tie_word_embeddings=False, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg).to(DEV, torch.bfloat16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * (0.02 if p.dim() == 2 else 1.0) + (1.0 if p.dim() == 1 else 0.0))
+    layer.fuse()
+    from dspark_serve.kernels import gemv_bf16
+    norms = []
+    monkeypatch.setattr(gemv_bf16, "rms_norm", lambda *a, **kw: norms.append(1) or rms_norm(*a, **kw))
+    for rows in (1, 8):
+        cache = torch.zeros(2, 4, 16, kv, d, device=DEV, dtype=torch.bfloat16)
+        meta = AttentionMetadata(cu_seqlens_q=torch.arange(rows + 1, device=DEV), seq_lens=torch.full(
+            (rows,), 5, device=DEV), slot_mapping=torch.arange(rows, device=DEV) + 4, block_table=torch.zeros(
+            rows, 4, dtype=torch.int64, device=DEV), max_query_len=1, max_seq_len=64, all_slots_valid=True)
+        cos, sin = layer.self_attn.q_norm.weight.new_ones(rows, 1, d), layer.self_attn.q_norm.weight.new_zeros(
+            rows, 1, d)
+        x = torch.randn(rows, hidden, device=DEV).bfloat16()
+        for res in (None, torch.randn(rows, hidden, device=DEV).bfloat16()):
+            outs = []
+            for on in (False, True):
+                monkeypatch.setattr(dispatch, "NORM_GEMV", on)
+                norms.clear()
+                with torch.inference_mode():
+                    outs.append(layer.forward_fused(x, res, cos, sin, cache, meta))
+                outs[-1] = (*outs[-1], len(norms))
+            (y0, r0, n0), (y1, r1, n1) = outs
+            assert torch.equal(r1, r0) and _rel(y1, y0.double()) <= 1e-2
+            assert (n0, n1) == ((2, 0) if rows == 1 else (2, 2))
