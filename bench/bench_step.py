@@ -181,6 +181,9 @@ def first_steps(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float | s
             top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
             out[f"{name}_host_top"] = "; ".join(f"{e.key[:40]} {e.count}x {e.self_cpu_time_total / 1e3:.2f}ms"
                                                  for e in top)
+            top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+            out[f"{name}_device_top"] = "; ".join(f"{e.key[:40]} {e.count}x {e.self_device_time_total / 1e3:.2f}ms"
+                                                   for e in top)
         while llm.has_unfinished():
             llm.step()
     return out
