@@ -30,6 +30,8 @@
 #             from the row and a tile-major layout, and the target's bf16 projections against theirs (issue 4, P2)
 #   tiled     random weights only: the opt-in tile-major copy for verify rows (tests, the GEMVs at 1, 8 and 16 rows,
 #             P1/P2 and the demo-shape step with DSPARK_DENSE_TILED off / on)
+#   prefill   random weights only: prefill graphs and the norms inside the one-row GEMVs (GPU tests; the demo-shape
+#             generation with DSPARK_PROMPT_GRAPHS off / on, alternating; bench_gpu 8B / 0.6B with NORM_GEMV off / on)
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -202,6 +204,18 @@ tiled)  # random weights: the tile-major copy for verify rows (tests; the GEMVs 
             | grep -v Warn | grep "^==\|target graph\|chained" | sed "s/^/TILED=$p /" >> "$OUT/tiled_tables.log"
     done
     cat /tmp/dense_tiled.txt "$OUT/tiled_tables.log" ;;
+prefill)  # random weights: prefill graphs (first-step table of bench_step, off / on twice) and the fused norms
+    timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_dense_gemv_gpu.py tests/gpu/test_cuda_graphs_gpu.py \
+        tests/gpu/test_engine_gpu.py 2>&1 | tail -2
+    for i in 1 2; do for p in 0 1; do
+        DSPARK_PROMPT_GRAPHS=$p timeout 100 python3 bench/bench_step.py --json "$OUT/bench_step_prompt${p}_$i.json" \
+            2>&1 | grep -v Warn | grep "^==\|one generation" | cut -c1-230 | sed "s/^/PROMPT_GRAPHS=$p /" \
+            >> "$OUT/prefill_tables.log"
+    done; done
+    timeout 250 python3 bench/bench_gpu.py --models 8b 0.6b --batch 1 --no-draft --iters 20 --repeat 2 \
+        --dispatch NORM_GEMV=0 NORM_GEMV=1 --json "$OUT/bench_gpu_norm.json" 2>&1 | grep -v Warn \
+        | grep "copy\|NORM" >> "$OUT/prefill_tables.log"
+    cat "$OUT/prefill_tables.log" ;;
 dprof)  # random weights: P1-P3 at the 8B shape, batch 1, and the NVFP4 draft block's kernel table (P3)
     timeout 300 python3 bench/bench_gpu.py --models 8b --batch 1 --topk 64 --iters 20 --draft-kernels 45 \
         --json "$OUT/bench_gpu_dprof.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_dprof.log" | tail -70 ;;
