@@ -42,6 +42,8 @@ DENSE_MMA_MIN_ROWS = int(os.environ.get("DSPARK_DENSE_MMA_MIN_ROWS", "2"))
 # 4.50 instead of 4.62 ms, bench/RESULTS.md), by default when the copies take at most DENSE_TILED_MAX_FRACTION of
 # the GPU's memory (models/layers.keep_tile_major); DSPARK_DENSE_TILED=1 always, =0 never
 DENSE_TILED = os.environ.get("DSPARK_DENSE_TILED", "auto")
+if DENSE_TILED not in ("0", "1", "auto"):
+    raise ValueError(f"DSPARK_DENSE_TILED must be 0, 1 or auto, got {DENSE_TILED!r}")
 DENSE_TILED_MAX_FRACTION = 0.02
 # The target's lm_head takes `linear` (the GEMVs above) instead of cuBLAS (8B lm_head alone: 278 / 285 instead of
 # 296 / 299 us at 1 / 8 rows); DSPARK_LM_HEAD_GEMV=0 turns it off

@@ -261,8 +261,7 @@ def linear_silu_mul(x: Tensor, w_gate_up: Tensor, tiled: Tensor | None = None) -
     and dispatch.GEMV_SWIGLU are on; the rows of the mma GEMV (`linear`) take its SwiGLU epilogue."""
     if dispatch.GEMV_SWIGLU and _mma_rows(x, w_gate_up):
         return gemv_mma_dense(x, tiled if tiled is not None else w_gate_up, swiglu=True)
-    if (dispatch.DENSE_GEMV and dispatch.GEMV_SWIGLU and x.is_cuda and x.shape[0] == 1
-            and x.dtype == w_gate_up.dtype == torch.bfloat16 and w_gate_up.stride(1) == 1):
+    if dispatch.GEMV_SWIGLU and x.shape[0] == 1 and _one_row_gemv(x, w_gate_up):
         return gemv(x, w_gate_up, swiglu=True)
     return silu_mul(linear(x, w_gate_up))
 
@@ -280,6 +279,7 @@ def apply_norm(x: Tensor, norm: Norm) -> tuple[Tensor, Tensor]:
 
 
 def _fuse_norm(x: Tensor, w: Tensor, norm: Norm) -> bool:
+    """Whether `gemv` applies the norm: one row that `linear` gives it, a norm weight of x's dtype."""
     return dispatch.NORM_GEMV and x.shape[0] == 1 and x.shape[1] <= MAX_NORM_K and norm[0].dtype == x.dtype \
         and not _mma_rows(x, w) and _one_row_gemv(x, w)
 

@@ -43,6 +43,16 @@ def test_static_path_outputs_equal_dynamic_path(temperature, with_draft):
         assert {(4, 256), (8, 512)} <= {k[:2] for k in static.draft.graphs._runners}
 
 
+def _requests(side: TargetSide, prompts: list[list[int]]) -> list[Request]:
+    """A request per prompt with the target blocks of its prompt and 8 more tokens."""
+    reqs = []
+    for i, p in enumerate(prompts):
+        r = Request(str(i), p, SamplingParams(max_tokens=8), seed=0, num_speculative_tokens=3)
+        r.target_blocks = side.allocator.allocate(len(p) + 8)
+        reqs.append(r)
+    return reqs
+
+
 def test_static_verify_logits_and_features_match_dynamic():
     target, draft = tiny_pair(seed=2, agree=0.01, block_size=4, dtype=torch.float32)
     layers = draft.config.target_layer_ids
@@ -52,11 +62,7 @@ def test_static_verify_logits_and_features_match_dynamic():
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (5, 17, 3)]
     outs = []
     for side in sides:
-        reqs = []
-        for i, p in enumerate(prompts):
-            r = Request(str(i), p, SamplingParams(max_tokens=8), seed=0, num_speculative_tokens=3)
-            r.target_blocks = side.allocator.allocate(len(p) + 8)
-            reqs.append(r)
+        reqs = _requests(side, prompts)
         side.run(reqs, [r.prompt_ids for r in reqs], last_only=True)  # prefill (prompt graphs in the static one)
         for r in reqs:
             r.num_computed = len(r.prompt_ids)
@@ -80,14 +86,7 @@ def test_prompt_graphs_match_dynamic_prefill(lens):
     assert sides[1].prompts.lengths == (32, 48, 64, 96, 128)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in lens]
-    outs = []
-    for side in sides:
-        reqs = []
-        for i, p in enumerate(prompts):
-            r = Request(str(i), p, SamplingParams(max_tokens=8), seed=0, num_speculative_tokens=3)
-            r.target_blocks = side.allocator.allocate(len(p) + 8)
-            reqs.append(r)
-        outs.append(side.run(reqs, prompts, last_only=True))
+    outs = [side.run(_requests(side, prompts), prompts, last_only=True) for side in sides]
     (la, fa), (lb, fb) = outs
     assert la.shape == lb.shape == (len(lens), 1, target.config.vocab_size)
     torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
