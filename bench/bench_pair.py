@@ -1,7 +1,8 @@
 """The real demo pair (Qwen2.5-Coder-0.5B-Instruct + the shipped DSpark drafter) on held-out prompts:
 tau and per-position acceptance (greedy and T = 1, code and prose), greedy agreement with plain decoding, and
-batch-1 plain vs speculative tokens/s (optionally against transformers' static-cache + torch.compile generate),
-and with --concurrency plain vs speculative tokens/s with many requests at once, measured in one run.
+batch-1 plain vs speculative tokens/s and time to first token (optionally against transformers' static-cache +
+torch.compile generate), and with --concurrency plain vs speculative tokens/s with many requests at once, measured
+in one run.
 
 usage: python bench/bench_pair.py [--target DIR] [--draft DIR] [--accept-batch 32] [--max-tokens 256]
                                   [--speed-prompts 8] [--hf-baseline] [--profile] [--concurrency 1 8 64] [--json OUT]
@@ -43,6 +44,22 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams, at_once: bool = 
     if llm.target.device.type == "cuda":
         torch.cuda.synchronize()
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0), outs
+
+
+def first_token_ms(llm: LLM, prompts: list[str], params: SamplingParams) -> float:
+    """Median time to first token at batch 1 (tokenizing, prefill, the first token back on the host), ms; each
+    request is aborted after its first token."""
+    times = []
+    for p in prompts:
+        if llm.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rid = llm.add_request(p, params)
+        while not any(o.request_id == rid and o.token_ids for o in llm.step()):
+            pass
+        times.append((time.perf_counter() - t0) * 1e3)
+        llm.abort(rid)
+    return sorted(times)[len(times) // 2]
 
 
 def concurrency_rows(plain: LLM, spec: LLM, pool: list[str], levels: list[int], max_tokens: int) -> list[dict]:
@@ -175,7 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
         plain_tps, _ = timed(plain, prompts, params)
         spec_tps, outs = timed(spec, prompts, params)
         speed = {"prompts": len(prompts), "plain_tok_s": plain_tps, "spec_tok_s": spec_tps,
-                 "tau": acceptance(outs)["tau"], "speedup": spec_tps / plain_tps}
+                 "tau": acceptance(outs)["tau"], "speedup": spec_tps / plain_tps,
+                 "plain_ttft_ms": first_token_ms(plain, prompts, params),
+                 "spec_ttft_ms": first_token_ms(spec, prompts, params)}
         if args.hf_baseline:
             speed["hf_compiled_tok_s"] = hf_baseline(Path(args.target), prompts, args.max_tokens)
             speed["spec_over_hf"] = spec_tps / speed["hf_compiled_tok_s"]
@@ -201,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"batch 1, {s['prompts']} code prompts: plain {s['plain_tok_s']:.1f} tok/s, speculative "
               f"{s['spec_tok_s']:.1f} tok/s (tau {s['tau']:.2f}, {s['speedup']:.2f}x)"
               + (f"; transformers compiled {s['hf_compiled_tok_s']:.1f} tok/s" if "hf_compiled_tok_s" in s else ""))
+        print(f"time to first token (median): plain {s['plain_ttft_ms']:.2f} ms, speculative {s['spec_ttft_ms']:.2f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return result

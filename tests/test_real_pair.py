@@ -56,7 +56,8 @@ def test_demo_command_streams_through_the_service():
 
 
 def test_bench_pair_reports_speed_and_a_step_profile(tmp_path):
-    """bench/bench_pair.py end to end on CPU, small: tau, batch-1 speed and the profiled step regions."""
+    """bench/bench_pair.py end to end on CPU, small: tau, batch-1 speed and time to first token, and the profiled
+    step regions."""
     out = tmp_path / "pair.json"
     r = subprocess.run([sys.executable, str(HELDOUT.parents[1] / "bench_pair.py"), "--sets", "code",
                         "--temperatures", "0", "--accept-prompts", "2", "--accept-batch", "2", "--max-tokens", "12",
@@ -67,6 +68,7 @@ def test_bench_pair_reports_speed_and_a_step_profile(tmp_path):
     res = json.loads(out.read_text())
     assert res["acceptance"][0]["greedy_identical"] == 1.0 and res["acceptance"][0]["tau"] > 1.0
     assert res["speed"]["plain_tok_s"] > 0 and res["speed"]["spec_tok_s"] > 0
+    assert 0 < res["speed"]["plain_ttft_ms"] < 60_000 and 0 < res["speed"]["spec_ttft_ms"] < 60_000
     (row,) = res["concurrency"]
     assert row["concurrency"] == 2 and row["plain_tok_s"] > 0 and row["tau"] > 1.0
     assert abs(row["speedup"] - row["spec_tok_s"] / row["plain_tok_s"]) < 1e-9
