@@ -10,7 +10,6 @@ from dspark_serve.models.qwen import QwenForCausalLM
 from .cuda_graphs import TargetGraphs
 from .kv_cache import BlockAllocator, batch_metadata, positions_of
 from . import prompt_graphs
-from .prompt_graphs import PromptGraphs
 from .request import Request
 
 
@@ -26,7 +25,7 @@ class TargetSide:
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded tokens
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: TargetGraphs | None = None
-        self.prompts: PromptGraphs | None = None
+        self.prompts: prompt_graphs.PromptGraphs | None = None
         # Launch the next step before the host's bookkeeping of this one (engine/spec_step.py, _step_ahead).
         self.step_ahead = self.device.type == "cuda"
         self.ahead = None  # the step launched ahead (spec_step.Launched)
@@ -37,8 +36,9 @@ class TargetSide:
         trash = self.allocator.num_blocks * self.block_size
         self.graphs = TargetGraphs(self.model, self.cache, self.block_size, trash, query_lens, max_model_len,
                                    self.capture_layers, capture=capture)
-        self.prompts = PromptGraphs(self.model, self.cache, self.block_size, trash, max_model_len,
-                                    self.capture_layers, capture=capture) if prompt_graphs.ENABLED else None
+        self.prompts = prompt_graphs.PromptGraphs(self.model, self.cache, self.block_size, trash, max_model_len,
+                                                  self.capture_layers, capture=capture) \
+            if prompt_graphs.ENABLED else None
 
     @property
     def vocab_size(self) -> int:

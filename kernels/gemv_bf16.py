@@ -55,14 +55,14 @@ def default_dense_gemv_config(m: int, n: int, k: int) -> DenseGemvConfig:
 
 @triton.jit
 def _x_chunk(x_ptr, res_ptr, nw_ptr, k, mask, rstd, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-             X_BF16: tl.constexpr, NORM_BF16: tl.constexpr):
+             X_BF16: tl.constexpr):
     """x[k] as fp32; with NORM, RMSNorm(x [+ residual])[k] with fused_ops.rms_norm's roundings (rstd given)."""
     xv = tl.load(x_ptr + k, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         if HAS_RES:
             xv = _round(xv + tl.load(res_ptr + k, mask=mask, other=0.0).to(tl.float32), X_BF16)
         xv = _round(xv * rstd, X_BF16)
-        xv = _round(tl.load(nw_ptr + k, mask=mask, other=0.0).to(tl.float32) * xv, NORM_BF16)
+        xv = _round(tl.load(nw_ptr + k, mask=mask, other=0.0).to(tl.float32) * xv, X_BF16)  # out dtype: x's
     return xv
 
 
@@ -84,8 +84,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr,
                  DOT_F32: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
                  SWIGLU: tl.constexpr, OUT_BF16: tl.constexpr, LIBDEVICE: tl.constexpr,
-                 NORM: tl.constexpr, HAS_RES: tl.constexpr, K_ROW: tl.constexpr, X_BF16: tl.constexpr,
-                 NORM_BF16: tl.constexpr):
+                 NORM: tl.constexpr, HAS_RES: tl.constexpr, K_ROW: tl.constexpr, X_BF16: tl.constexpr):
     pdl_trigger(PDL)
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
@@ -129,7 +128,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         if NORM:
             rstd = _norm_prologue(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid, K_ROW, HAS_RES, X_BF16,
                                   LIBDEVICE)
-        xv = _x_chunk(x_ptr, res_ptr, nw_ptr, kk, kk < K, rstd, NORM, HAS_RES, X_BF16, NORM_BF16)      # [BK]
+        xv = _x_chunk(x_ptr, res_ptr, nw_ptr, kk, kk < K, rstd, NORM, HAS_RES, X_BF16)                 # [BK]
         acc_g = wg.to(tl.float32) * xv[None, :]
         acc_u = wu.to(tl.float32) * xv[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -139,7 +138,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
                 wmask, xmask = (cols[:, None] < inter) & (k0 + kk[None, :] < K), k0 + kk < K
             wg = tl.load(w_ptr + cols[:, None] * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)  # [BN2, BK]
             wu = tl.load(w_ptr + (cols[:, None] + inter) * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)
-            xv = _x_chunk(x_ptr, res_ptr, nw_ptr, k0 + kk, xmask, rstd, NORM, HAS_RES, X_BF16, NORM_BF16)
+            xv = _x_chunk(x_ptr, res_ptr, nw_ptr, k0 + kk, xmask, rstd, NORM, HAS_RES, X_BF16)
             acc_g += wg.to(tl.float32) * xv[None, :]
             acc_u += wu.to(tl.float32) * xv[None, :]
         g = tl.sum(acc_g, axis=1).to(out_ptr.dtype.element_ty).to(tl.float32)  # the gate_up output's rounding
@@ -158,7 +157,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
         if NORM:
             rstd = _norm_prologue(x_ptr, res_ptr, res_out_ptr, K, inv_k, eps, pid, K_ROW, HAS_RES, X_BF16,
                                   LIBDEVICE)
-        xv = _x_chunk(x_ptr, res_ptr, nw_ptr, kk, kk < K, rstd, NORM, HAS_RES, X_BF16, NORM_BF16)      # [BK]
+        xv = _x_chunk(x_ptr, res_ptr, nw_ptr, kk, kk < K, rstd, NORM, HAS_RES, X_BF16)                 # [BK]
         acc = w.to(tl.float32) * xv[None, :]
         for k0 in range(BLOCK_K, K, BLOCK_K):
             if EVEN_K:
@@ -166,7 +165,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, st
             else:
                 wmask, xmask = (rows[:, None] < N) & (k0 + kk[None, :] < K), k0 + kk < K
             w = tl.load(w_ptr + rows[:, None] * stride_wn + k0 + kk[None, :], mask=wmask, other=0.0)   # [BN, BK]
-            xv = _x_chunk(x_ptr, res_ptr, nw_ptr, k0 + kk, xmask, rstd, NORM, HAS_RES, X_BF16, NORM_BF16)
+            xv = _x_chunk(x_ptr, res_ptr, nw_ptr, k0 + kk, xmask, rstd, NORM, HAS_RES, X_BF16)
             acc += w.to(tl.float32) * xv[None, :]
         out = tl.sum(acc, axis=1)                                              # [BN]
         if HAS_BIAS:
@@ -215,7 +214,7 @@ def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, config: DenseGemvConf
         DOT_F32=not x.is_cuda or w.dtype == torch.float32, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PDL=on, SWIGLU=swiglu, OUT_BF16=w.dtype == torch.bfloat16, LIBDEVICE=x.is_cuda,
         NORM=norm is not None, HAS_RES=res is not None, K_ROW=triton.next_power_of_2(k),
-        X_BF16=x.dtype == torch.bfloat16, NORM_BF16=torch.promote_types(nw.dtype, x.dtype) == torch.bfloat16,
+        X_BF16=x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
     return out if norm is None else (out, res_out)
 
@@ -227,7 +226,7 @@ def _check_norm(x: Tensor, norm: Norm) -> None:
         raise ValueError(f"a fused RMSNorm needs one row of K <= {MAX_NORM_K}, got [{m}, {k}]")
     if nw.shape != (k,) or nw.stride(0) != 1:
         raise ValueError(f"the norm weight must be a contiguous [{k}], got {tuple(nw.shape)}")
-    if nw.dtype != x.dtype and torch.promote_types(nw.dtype, x.dtype) != x.dtype:
+    if torch.promote_types(nw.dtype, x.dtype) != x.dtype:
         raise ValueError(f"the norm's output dtype must be x's ({x.dtype}), got weight {nw.dtype}")
     if res is not None and (res.shape != x.shape or res.dtype != x.dtype or res.stride(1) != 1):
         raise ValueError(f"the residual must be a unit-column-stride {x.dtype} {tuple(x.shape)} tensor")
