@@ -5,6 +5,12 @@ A prompt is padded at its end to a length bucket; under causal attention no real
 K/V go to the trash slot. The graph returns the last real token's logits and every token's features. Several
 fresh prompts (up to MAX_PROMPTS) replay one graph each, one after another; more run eagerly as one batch. On CPU
 the same static path runs eagerly: that is what the CPU tests compare with the dynamic path.
+
+Graphs pay off while the prefill is launch-bound. An eager prefill costs about one host launch time per layer
+whatever its length (Qwen3-8B shapes on an H200: 26-28 ms up to 1000 tokens), a graph the device time of its padded
+tokens, which grows with tokens x weights per layer. So a batch takes graphs only while its padded tokens times one
+layer's weights stay within MAX_WORK: at 8B (193 M weights a layer) up to 768 padded tokens, at the 0.5B demo target
+(15 M) every batch the buckets take (bench/bench_prefill.py, bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dspark_serve.kernels.attention import AttentionMetadata
+from dspark_serve.models.config import ModelConfig
 from dspark_serve.models.qwen import QwenForCausalLM
 
 from .cuda_graphs import Staging, _bucket, capture
@@ -25,6 +32,26 @@ from .kv_cache import slots_of
 PROMPT_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # padding wastes < 1.5x
 MAX_PROMPTS = 4  # fresh prompts prefilled one graph each; a larger batch runs eagerly at once
 ENABLED = os.environ.get("DSPARK_PROMPT_GRAPHS", "1") == "1"  # DSPARK_PROMPT_GRAPHS=0: every prefill runs eagerly
+
+
+def _work_limit(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # (also refuses nan)
+        raise ValueError(f"DSPARK_PROMPT_GRAPH_WORK takes a number >= 0 (padded prompt tokens x weights of one "
+                         f"layer; inf: no limit), got {text!r}")
+    return value
+
+
+MAX_WORK = _work_limit(os.environ.get("DSPARK_PROMPT_GRAPH_WORK", "1.6e11"))  # padded tokens x one layer's weights
+
+
+def layer_weights(config: ModelConfig) -> int:
+    """Weights of one decoder layer's projections: what a prefill token multiplies per layer."""
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return h * (2 * q + 2 * kv) + 3 * h * config.intermediate_size
 
 
 class PromptGraphs:
@@ -36,12 +63,16 @@ class PromptGraphs:
         top = _bucket(max_model_len, PROMPT_BUCKETS) or PROMPT_BUCKETS[-1]
         self.lengths = tuple(n for n in PROMPT_BUCKETS if n <= top)
         self.staging = Staging(2 * top + 1 + -(-top // block_size), torch.int64, self.device)
+        self.layer_weights = layer_weights(model.config)
         self._runners: dict[int, Callable[[], tuple[Tensor, Tensor | None]]] = {}
         self._pool = None
 
     def takes(self, starts: list[int], lens: list[int]) -> bool:
-        """Whether run() takes these sequences: fresh prompts, few enough, each within the largest bucket."""
-        return 0 < len(lens) <= MAX_PROMPTS and not any(starts) and max(lens) <= self.lengths[-1]
+        """Whether run() takes these sequences: fresh prompts, few enough, each within the largest bucket, their
+        padded tokens launch-bound (MAX_WORK)."""
+        if not 0 < len(lens) <= MAX_PROMPTS or any(starts) or max(lens) > self.lengths[-1]:
+            return False
+        return sum(_bucket(n, self.lengths) for n in lens) * self.layer_weights <= MAX_WORK
 
     @torch.inference_mode()
     def run(self, block_tables: list[list[int]], prompts: list[list[int]]) -> tuple[Tensor, list[Tensor | None]]:

@@ -99,6 +99,31 @@ def test_prompt_graphs_match_dynamic_prefill(lens):
     assert built == ({32, 48} if len(lens) <= 4 else set())  # five fresh prompts run eagerly as one batch
 
 
+def test_prompt_graphs_leave_compute_bound_prefills_eager(monkeypatch):
+    from dspark_serve.engine import prompt_graphs
+
+    target, _ = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
+    side = TargetSide(target, 64, 8)
+    side.use_static_shapes((1,), max_model_len=128)
+    c = target.config
+    w = side.prompts.layer_weights
+    assert w == c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim \
+        + 3 * c.hidden_size * c.intermediate_size
+    monkeypatch.setattr(prompt_graphs, "MAX_WORK", 64 * w)  # 64 padded tokens of this model at most
+    takes = {tuple(lens): side.prompts.takes([0] * len(lens), lens)
+             for lens in ([32], [30, 2], [33], [49], [64], [65], [32, 33], [1, 1, 1])}
+    assert takes == {(32,): True, (30, 2): True, (33,): True, (49,): True, (64,): True, (65,): False,
+                     (32, 33): False, (1, 1, 1): False}  # buckets 32, 32+32, 48, 64, 64, 96, 32+48, 3 x 32
+    assert not side.prompts.takes([0, 4], [5, 5])  # a sequence with context is no fresh prompt
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 250, (70,), generator=g).tolist()
+    eager = TargetSide(target, 64, 8)
+    want = eager.run(_requests(eager, [prompt]), [prompt], last_only=True)[0]
+    got = side.run(_requests(side, [prompt]), [prompt], last_only=True)[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not side.prompts._runners  # 70 tokens (bucket 96) ran eagerly
+
+
 @pytest.mark.parametrize("topk", [0, 8])
 def test_static_draft_proposal_matches_dynamic(topk):
     from dspark_serve.engine.draft_side import DraftInput, DraftSide
