@@ -32,6 +32,8 @@
 #             P1/P2 and the demo-shape step with DSPARK_DENSE_TILED off / on)
 #   prefill   random weights only: prefill graphs and the norms inside the one-row GEMVs (GPU tests; the demo-shape
 #             generation with DSPARK_PROMPT_GRAPHS off / on, alternating; bench_gpu 8B / 0.6B with NORM_GEMV off / on)
+#   ttft      random weights only: GPU tests, then one prompt's time to first token eager / graph by length at the
+#             8B, 0.6B and 0.5B shapes, with the prefill-graph rule (DSPARK_PROMPT_GRAPH_WORK) and without it
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
 #             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
 set -uo pipefail
@@ -216,6 +218,15 @@ prefill)  # random weights: prefill graphs (first-step table of bench_step, off 
         --dispatch NORM_GEMV=0 NORM_GEMV=1 --json "$OUT/bench_gpu_norm.json" 2>&1 | grep -v Warn \
         | grep "copy\|NORM" >> "$OUT/prefill_tables.log"
     cat "$OUT/prefill_tables.log" ;;
+ttft)  # random weights: GPU tests, then bench_prefill with the MAX_WORK rule, and with graphs everywhere
+    timeout 250 python3 -P -m pytest -q -rf tests/gpu/test_fused_ops_gpu.py tests/gpu/test_gemv_bf16_mma_gpu.py \
+        tests/gpu/test_paged_attention_gpu.py tests/gpu/test_pdl_gpu.py tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tail -2
+    for w in 1.6e11 inf; do
+        DSPARK_PROMPT_GRAPH_WORK=$w timeout 150 python3 bench/bench_prefill.py --models 8b 0.6b 0.5b \
+            --lens 64 200 520 800 1030 1540 --repeat 3 --json "$OUT/prefill_$w.json" 2>&1 | grep -v Warn \
+            | sed -n '/^model /,$p' | sed "s/$/  WORK=$w/" >> "$OUT/ttft_tables.log"
+    done
+    cat "$OUT/ttft_tables.log" ;;
 dprof)  # random weights: P1-P3 at the 8B shape, batch 1, and the NVFP4 draft block's kernel table (P3)
     timeout 300 python3 bench/bench_gpu.py --models 8b --batch 1 --topk 64 --iters 20 --draft-kernels 45 \
         --json "$OUT/bench_gpu_dprof.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_dprof.log" | tail -70 ;;
