@@ -137,15 +137,28 @@ class TargetGraphs:
             return logits, feats, torch.cat([greedy.num_accepted[:, None], greedy.output_tokens], 1)
         if not self.capture:
             return forward
-        step = self.dev[:3 * n + 2 * b + b * w].clone()  # this step's metadata; capture runs on padding only
-        self.staging.upload(self._layout([], [], [], q, b, c))
-        try:
-            replay, self._pool = capture(forward, self._pool)
-        except RuntimeError as e:  # keep serving: this and later shapes run the static path eagerly
-            warnings.warn(f"CUDA graph capture failed, running eagerly from now on: {e}")
-            self.capture, replay = False, forward
-        self.dev[:step.numel()].copy_(step)
+        replay, self._pool, self.capture = capture_on_padding(
+            forward, self._pool, [self.dev[:3 * n + 2 * b + b * w]],
+            lambda: self.staging.upload(self._layout([], [], [], q, b, c)), "")
         return replay
+
+
+def capture_on_padding(forward: Callable[[], object], pool: object, inputs: list[Tensor], pad: Callable[[], None],
+                       what: str) -> tuple[Callable[[], object], object, bool]:
+    """capture() while the static `inputs` hold padding only (pad() stages it), so the warm-up and captured runs
+    write K/V to the trash slot alone; this step's inputs are put back after. -> (replay, pool, whether captured):
+    a failed capture warns and returns forward itself, so this shape and later ones keep serving eagerly."""
+    step = [t.clone() for t in inputs]
+    pad()
+    try:
+        replay, pool = capture(forward, pool)
+        ok = True
+    except RuntimeError as e:
+        warnings.warn(f"CUDA graph capture failed{what}, running eagerly from now on: {e}")
+        replay, ok = forward, False
+    for t, saved in zip(inputs, step):
+        t.copy_(saved)
+    return replay, pool, ok
 
 
 def capture(forward: Callable[[], object], pool: object = None) -> tuple[Callable[[], object], object]:

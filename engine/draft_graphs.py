@@ -11,7 +11,6 @@ sets on the device (engine/draft_chain.py). On CPU the static path runs eagerly.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -20,7 +19,7 @@ from torch import Tensor
 
 from dspark_serve.kernels.attention import AttentionMetadata
 
-from .cuda_graphs import GraphBuckets, Staging, _bucket, capture
+from .cuda_graphs import GraphBuckets, Staging, _bucket, capture_on_padding
 from .kv_cache import slots_of
 
 if TYPE_CHECKING:
@@ -157,13 +156,10 @@ class DraftGraphs:
             return side._markov_walk(hidden, m.base_logits(hidden), anchors, temperature, seeds, anchor_pos, need_q)
         if not self.capture:
             return forward
-        step = (self.ints.dev.clone(), self.temps.dev.clone())  # capture runs on padding only
-        self.ints.upload(self._layout([], [], [], [], b, c))
-        self.temps.upload([0.0] * b)
-        try:
-            replay, self._pool = capture(forward, self._pool)
-        except RuntimeError as e:  # keep serving: this and later shapes run the static path eagerly
-            warnings.warn(f"CUDA graph capture failed for the draft, running eagerly from now on: {e}")
-            self.capture, replay = False, forward
-        self.ints.dev.copy_(step[0]), self.temps.dev.copy_(step[1])
+
+        def pad() -> None:
+            self.ints.upload(self._layout([], [], [], [], b, c))
+            self.temps.upload([0.0] * b)
+        replay, self._pool, self.capture = capture_on_padding(forward, self._pool, [self.ints.dev, self.temps.dev],
+                                                              pad, " for the draft")
         return replay

@@ -16,7 +16,6 @@ layer's weights stay within MAX_WORK: at 8B (193 M weights a layer) up to 768 pa
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Callable
 
 import torch
@@ -26,7 +25,7 @@ from dspark_serve.kernels.attention import AttentionMetadata
 from dspark_serve.models.config import ModelConfig
 from dspark_serve.models.qwen import QwenForCausalLM
 
-from .cuda_graphs import Staging, _bucket, capture
+from .cuda_graphs import Staging, _bucket, capture_on_padding
 from .kv_cache import slots_of
 
 PROMPT_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # padding wastes < 1.5x
@@ -107,12 +106,8 @@ class PromptGraphs:
             return self.model.compute_logits(hidden.index_select(0, last)), feats  # [1, V], [length, F]
         if not self.capture:
             return forward
-        step = d[:2 * length + 1 + w].clone()  # this prompt's inputs; capture runs on padding only
-        self.staging.upload([0] * length + [self.trash] * length + [0] * (1 + w))
-        try:
-            replay, self._pool = capture(forward, self._pool)
-        except RuntimeError as e:  # keep serving: this and later prompts run the static path eagerly
-            warnings.warn(f"CUDA graph capture failed for a prompt of {length} tokens, running eagerly: {e}")
-            self.capture, replay = False, forward
-        d[:step.numel()].copy_(step)
+        replay, self._pool, self.capture = capture_on_padding(
+            forward, self._pool, [d[:2 * length + 1 + w]],
+            lambda: self.staging.upload([0] * length + [self.trash] * length + [0] * (1 + w)),
+            f" for a prompt of {length} tokens")
         return replay

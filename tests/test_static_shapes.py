@@ -3,6 +3,8 @@ the dynamic path, with padded batches, padded verify rows, context buckets cross
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -122,6 +124,77 @@ def test_prompt_graphs_leave_compute_bound_prefills_eager(monkeypatch):
     got = side.run(_requests(side, [prompt]), [prompt], last_only=True)[0]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not side.prompts._runners  # 70 tokens (bucket 96) ran eagerly
+
+
+def _padding_only_capture(caches: list[torch.Tensor], live: int, pools: list):
+    """A stand-in for cuda_graphs.capture on CPU: runs forward once, as the real one's warm-up does, and checks
+    that the run left every live cache block alone (the static inputs held padding, bound for the trash block)."""
+    def fake(forward, pool):
+        before = [c.clone() for c in caches]
+        forward()
+        for c, b in zip(caches, before):
+            assert torch.equal(c[:, :, :live], b[:, :, :live]), "a capture run wrote a live cache block"
+        pools.append(pool)
+        return forward, len(pools)
+    return fake
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_capture_runs_on_padding_and_restores_the_step(monkeypatch, fails):
+    """The capture path of all three graph kinds (prompt, verify, draft), which only CUDA takes: the capture runs
+    see padding only, then the step's own inputs are back, so outputs equal the dynamic path's; a capture that
+    fails warns and leaves the static path running eagerly."""
+    from dspark_serve.engine import cuda_graphs
+    from dspark_serve.engine.draft_side import DraftInput, DraftSide
+    from dspark_serve.engine.spec_config import SpeculativeConfig
+
+    target, draft = tiny_pair(seed=5, agree=0.01, block_size=4, dtype=torch.float32)
+    sides = [TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids) for _ in range(2)]
+    drafts = [DraftSide(draft, 64, 8, SpeculativeConfig(dspark_draft_topk=8), 256) for _ in range(2)]
+    pools: list = []
+    if fails:
+        def broken(forward, pool):
+            raise RuntimeError("capture refused")
+        monkeypatch.setattr(cuda_graphs, "capture", broken)
+    else:
+        monkeypatch.setattr(cuda_graphs, "capture",
+                            _padding_only_capture([sides[1].cache, drafts[1].cache], 64, pools))
+    sides[1].use_static_shapes((1, 4), max_model_len=128, capture=True)
+    drafts[1].use_static_shapes(max_model_len=128, capture=True)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (9, 20)]
+    outs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for side, dside in zip(sides, drafts):
+            reqs = _requests(side, prompts)
+            prefill = side.run(reqs, prompts, last_only=True)
+            for r in reqs:
+                r.num_computed = len(r.prompt_ids)
+            verify = side.run(reqs, [[7, 8, 9, 1], [4, 5]], last_only=False)
+            tables = [dside.allocator.allocate(n + 16) for n in (9, 20)]
+            feats = torch.cat(prefill[1])
+            inp = DraftInput(anchors=torch.tensor([3, 9]), anchor_pos=torch.tensor([9, 20]),
+                             ctx_start=torch.zeros(2, dtype=torch.int64), ctx_len=torch.tensor([9, 20]),
+                             features=feats, block_table=torch.tensor([t + [0] * (8 - len(t)) for t in tables]),
+                             temperature=torch.tensor([0.0, 0.8]), seeds=torch.tensor([1, 2]))
+            proposal = dside.propose(inp)
+            decode = side.run(reqs, [[5], [6]], last_only=False)  # a second verify-graph shape: the same pool
+            outs.append((prefill, verify, proposal, decode))
+    (pa, va, da, ca), (pb, vb, db, cb) = outs
+    torch.testing.assert_close(cb[0], ca[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pb[0], pa[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vb[0][0, :4], va[0][0, :4], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vb[0][1, :2], va[0][1, :2], atol=1e-5, rtol=1e-5)
+    assert torch.equal(da.tokens, db.tokens)
+    torch.testing.assert_close(db.confidence_logits, da.confidence_logits, atol=1e-5, rtol=1e-5)
+    failed = [str(w.message) for w in caught if "capture failed" in str(w.message)]
+    if fails:  # one warning per kind, then each runs eagerly for good
+        assert len(failed) == 3 and not (sides[1].graphs.capture or sides[1].prompts.capture
+                                         or drafts[1].graphs.capture)
+    else:  # prompt, verify and draft graphs each start a pool; the decode shape shares the verify graph's
+        assert not failed and pools == [None, None, None, 2]
+        assert sides[1].prompts.capture and sides[1].graphs.capture and drafts[1].graphs.capture
 
 
 @pytest.mark.parametrize("topk", [0, 8])
