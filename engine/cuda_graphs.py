@@ -105,6 +105,17 @@ class TargetGraphs:
         return logits.view(b, q, -1)[:r], feats.view(b, q, -1)[:r].clone() if feats is not None else None, \
             accept[:r].clone()
 
+    @torch.inference_mode()
+    def warm_up(self, batch: int = 1) -> int:
+        """Record now, on padding, the graphs of `batch` rows for every query length and context bucket, so that
+        the first requests do not wait for them; -> how many were recorded (0 when not capturing)."""
+        b = _bucket(batch, self.buckets.batch)
+        shapes = [(q, b, c) for q in self.query_lens for c in self.buckets.context
+                  if self.capture and b * q <= MAX_GRAPH_TOKENS and (q, b, c) not in self._runners]
+        for shape in shapes:
+            self._runners[shape] = self._build(*shape)
+        return len(shapes)
+
     def _layout(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]], q: int, b: int,
                 c: int) -> list[int]:
         """[ids b*q | positions b*q | slots b*q | seq_lens b | drafts to verify b | block table b*(c/block_size)],

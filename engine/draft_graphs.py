@@ -88,6 +88,17 @@ class DraftGraphs:
         self._advance(packed, r, b, c)
         return self._run(b, c, need_q, r)
 
+    @torch.inference_mode()
+    def warm_up(self, batch: int = 1) -> int:
+        """Record now, on padding, the greedy and the sampling graph of `batch` rows for every context bucket;
+        -> how many were recorded (0 when not capturing)."""
+        b = _bucket(batch, self.buckets.batch)
+        keys = [(b, c, q) for c in self.buckets.context for q in (False, True)
+                if self.capture and (b, c, q) not in self._runners]
+        for key in keys:
+            self._runners[key] = self._build(*key)
+        return len(keys)
+
     def _run(self, b: int, c: int, need_q: bool, r: int) -> "DraftProposal":
         """The bucket's graph (built on first use) on the staged inputs -> the proposal of its first r rows."""
         key = (b, c, need_q)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import logging
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ from .scheduler import Scheduler
 from .spec_config import SpeculativeConfig
 from .target_side import TargetSide
 
+log = logging.getLogger(__name__)
+
 
 class LLM:
     def __init__(self, target: str | Path | QwenForCausalLM, draft: str | Path | DSparkDraft | None = None,
@@ -33,10 +37,12 @@ class LLM:
                  dtype: torch.dtype | None = None, device: str | None = None, block_size: int = 16,
                  num_kv_blocks: int = 2048, max_num_seqs: int = 64, max_model_len: int = 4096,
                  eos_token_ids: Sequence[int] | None = None, draft_side: Any = None,
-                 capture_layers: tuple[int, ...] = (), enforce_eager: bool | None = None) -> None:
+                 capture_layers: tuple[int, ...] = (), enforce_eager: bool | None = None,
+                 warmup: bool = True) -> None:
         """`draft_side` (with `capture_layers`) plugs in a draft living elsewhere, e.g. behind the step channel.
         `enforce_eager` (vLLM's name; default: True on CPU, False on CUDA): False runs decode/verify steps with
-        static shapes, captured as CUDA graphs on CUDA."""
+        static shapes, captured as CUDA graphs on CUDA. `warmup`: record the batch-1 graphs here (warm_up())
+        instead of on the first requests that meet them."""
         spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) else \
             SpeculativeConfig.from_json(speculative_config)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -71,10 +77,22 @@ class LLM:
         self._rng = random.Random(0)
         self._queues: dict[str, asyncio.Queue] = {}  # generate_stream: request id -> its outputs
         self._loop_task: asyncio.Task | None = None
+        if warmup:
+            self.warm_up()
         # Everything alive now (models, tokenizer, imported modules) leaves the cyclic collector's view, so that a
         # full collection during decoding does not walk it and stall a step.
         gc.collect()
         gc.freeze()
+
+    def warm_up(self) -> int:
+        """Record the batch-1 CUDA graphs now (every prefill bucket one prompt takes; decode, verify and the draft
+        at every context bucket) rather than during the first requests that meet them; -> how many. Off the GPU or
+        with enforce_eager there is nothing to record."""
+        t0 = time.perf_counter()
+        n = self.target.warm_up() + (self.draft.warm_up() if isinstance(self.draft, DraftSide) else 0)
+        if n:
+            log.info("recorded %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+        return n
 
     @property
     def max_speculative_tokens(self) -> int:

@@ -74,6 +74,14 @@ class PromptGraphs:
         return sum(_bucket(n, self.lengths) for n in lens) * self.layer_weights <= MAX_WORK
 
     @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Record now, on padding, the graph of every bucket one prompt takes; -> how many (0 when not capturing)."""
+        lengths = [n for n in self.lengths if self.capture and self.takes([0], [n]) and n not in self._runners]
+        for n in lengths:
+            self._runners[n] = self._build(n)
+        return len(lengths)
+
+    @torch.inference_mode()
     def run(self, block_tables: list[list[int]], prompts: list[list[int]]) -> tuple[Tensor, list[Tensor | None]]:
         """Each prompt at positions 0.. of its blocks -> logits [R, 1, V] fp32 of its last token, and per prompt
         its features [len, F] (owned copies), as TargetSide.run(..., last_only=True) returns them."""

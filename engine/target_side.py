@@ -40,6 +40,11 @@ class TargetSide:
                                                   self.capture_layers, capture=capture) \
             if prompt_graphs.ENABLED else None
 
+    def warm_up(self) -> int:
+        """Record the batch-1 decode/verify graphs and the prefill graphs now; -> how many."""
+        graphs = self.graphs.warm_up() if self.graphs is not None else 0
+        return graphs + (self.prompts.warm_up() if self.prompts is not None else 0)
+
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size

@@ -197,6 +197,48 @@ def test_capture_runs_on_padding_and_restores_the_step(monkeypatch, fails):
         assert sides[1].prompts.capture and sides[1].graphs.capture and drafts[1].graphs.capture
 
 
+def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
+    """warm_up() records the batch-1 graphs up front (the engine does at start on CUDA): every prefill bucket one
+    prompt takes, decode and verify at every context bucket, the draft's greedy and sampling graphs; on padding,
+    so no live cache block changes; the first requests then replay them, with the dynamic path's outputs."""
+    from dspark_serve.engine import cuda_graphs, prompt_graphs
+    from dspark_serve.engine.draft_side import DraftInput, DraftSide
+    from dspark_serve.engine.spec_config import SpeculativeConfig
+
+    target, draft = tiny_pair(seed=7, agree=0.01, block_size=4, dtype=torch.float32)
+    side, eager = (TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids) for _ in range(2))
+    dside, deager = (DraftSide(draft, 64, 8, SpeculativeConfig(dspark_draft_topk=8), 256) for _ in range(2))
+    pools: list = []
+    monkeypatch.setattr(cuda_graphs, "capture", _padding_only_capture([side.cache, dside.cache], 64, pools))
+    side.use_static_shapes((1, 4), max_model_len=300, capture=True)
+    dside.use_static_shapes(max_model_len=300, capture=True)
+    monkeypatch.setattr(prompt_graphs, "MAX_WORK", 96 * side.prompts.layer_weights)  # one prompt of <= 96 tokens
+    assert side.warm_up() == 2 * 2 + 4 and dside.warm_up() == 2 * 2 and len(pools) == 12
+    assert set(side.graphs._runners) == {(q, 1, c) for q in (1, 4) for c in (256, 304)}
+    assert set(side.prompts._runners) == {32, 48, 64, 96}  # of the buckets up to 384
+    assert set(dside.graphs._runners) == {(1, c, q) for c in dside.graphs.buckets.context for q in (False, True)}
+    assert side.warm_up() == 0 and dside.warm_up() == 0  # nothing left to record
+
+    prompt = torch.randint(0, 250, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    outs = []
+    for ts, ds in ((eager, deager), (side, dside)):
+        reqs = _requests(ts, [prompt])
+        prefill = ts.run(reqs, [prompt], last_only=True)
+        reqs[0].num_computed = len(prompt)
+        verify = ts.run(reqs, [[7, 8, 9, 1]], last_only=False)
+        table = ds.allocator.allocate(40 + 16)
+        inp = DraftInput(anchors=torch.tensor([3]), anchor_pos=torch.tensor([40]),
+                         ctx_start=torch.zeros(1, dtype=torch.int64), ctx_len=torch.tensor([40]),
+                         features=prefill[1][0], block_table=torch.tensor([table]),
+                         temperature=torch.tensor([0.8]), seeds=torch.tensor([5]))
+        outs.append((prefill[0], verify[0], ds.propose(inp)))
+    assert len(pools) == 12  # the requests replayed what warm-up recorded
+    (pa, va, da), (pb, vb, db) = outs
+    torch.testing.assert_close(pb, pa, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vb, va, atol=1e-5, rtol=1e-5)
+    assert torch.equal(da.tokens, db.tokens)
+
+
 @pytest.mark.parametrize("topk", [0, 8])
 def test_static_draft_proposal_matches_dynamic(topk):
     from dspark_serve.engine.draft_side import DraftInput, DraftSide
