@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -170,10 +171,11 @@ def draft_module(name: str, fmt: str, device: str, dtype: torch.dtype) -> DSpark
 
 
 def draft_side(draft: DSparkDraft, batch: int, context: int, topk: int, static: bool,
-               quantize_lm_head: bool = False) -> tuple[DraftSide, DraftInput]:
+               quantize_lm_head: bool = False, token_map: str | None = None) -> tuple[DraftSide, DraftInput]:
     """The draft's side for `batch` requests at `context` tokens, and one step's input (no new context rows)."""
-    spec = SpeculativeConfig(dspark_draft_topk=topk, dspark_quantize_lm_head=quantize_lm_head)
-    side = DraftSide(draft, batch * -(-(context + 16) // BLOCK), BLOCK, spec, draft.config.draft_vocab_size)
+    spec = SpeculativeConfig(dspark_draft_topk=topk, dspark_quantize_lm_head=quantize_lm_head,
+                             dspark_token_map=token_map)
+    side = DraftSide(draft, batch * -(-(context + 16) // BLOCK), BLOCK, spec, draft.embed_tokens.num_embeddings)
     if static:
         side.use_static_shapes(context + 64)
     tables = [side.allocator.allocate(context + 16) for _ in range(batch)]
@@ -186,13 +188,15 @@ def draft_side(draft: DSparkDraft, batch: int, context: int, topk: int, static: 
 
 
 def bench_draft(name: str, batches: list[int], context: int, device: str, dtype: torch.dtype, iters: int,
-                topks: list[int], verify_ms: dict[int, float]) -> list[dict]:
-    """Formats: bf16; nvfp4 (the lm_head, shared with the target, in bf16); nvfp4+head (a 4-bit copy of it)."""
+                topks: list[int], verify_ms: dict[int, float], token_map: str | None = None) -> list[dict]:
+    """Formats: bf16; nvfp4 (the lm_head, shared with the target, in bf16); nvfp4+head (a 4-bit copy of it); with
+    `token_map` also nvfp4+map and nvfp4+head+map (the draft scores only the map's tokens)."""
     rows = []
-    for fmt in ("bf16", "nvfp4", "nvfp4+head"):
+    for fmt in ("bf16", "nvfp4", "nvfp4+head") + (("nvfp4+map", "nvfp4+head+map") if token_map else ()):
         draft = draft_module(name, fmt, device, dtype)
         for topk, static, batch in [(t, s, b) for t in topks for s in (True, False) for b in batches]:
-            side, inp = draft_side(draft, batch, context, topk, static, fmt == "nvfp4+head")
+            side, inp = draft_side(draft, batch, context, topk, static, "+head" in fmt,
+                                   token_map if fmt.endswith("+map") else None)
             ms = time_ms(lambda: side.propose(inp), device, iters)
             v = verify_ms.get(batch)
             rows.append({"model": name, "draft_layers": DRAFT_LAYERS[name], "format": fmt, "topk": topk,
@@ -263,6 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the profiled steps' new tokens (8: verify 1 + 7)")
     ap.add_argument("--draft-kernels", type=int, default=0, metavar="N",
                     help="also profile the NVFP4 draft block at batch 1 (first --topk) and print the N costliest")
+    ap.add_argument("--token-map", type=int, default=0, metavar="K",
+                    help="also time NVFP4 drafts that score only K tokens (speculative_config.dspark_token_map)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -278,8 +284,16 @@ def main(argv: list[str] | None = None) -> dict:
         result["target"] += rows
         verify = {r["batch"]: r["verify_ms"] for r in rows if r["graphs"]}
         if not args.no_draft:
-            result["draft"] += bench_draft(name, args.batch, args.context, args.device, dtype, args.iters,
-                                           args.topk, verify)
+            vocab = target_config(name, dtype).vocab_size
+            with tempfile.TemporaryDirectory() as tmp:
+                token_map = None
+                if args.token_map:
+                    if not 0 < args.token_map <= vocab:
+                        raise SystemExit(f"--token-map must be in [1, {vocab}] for {name}, got {args.token_map}")
+                    token_map = f"{tmp}/map.pt"
+                    torch.save(torch.arange(args.token_map), token_map)  # which tokens does not change the time
+                result["draft"] += bench_draft(name, args.batch, args.context, args.device, dtype, args.iters,
+                                               args.topk, verify, token_map)
     print(f"{'model':>5} {'graphs':>6} {'batch':>5} {'plain ms':>9} {'tok/s':>9} {'floor ms':>9} {'%floor':>7} "
           f"{'verify ms':>10} {'v/p':>5}")
     for r in result["target"]:

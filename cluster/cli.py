@@ -174,6 +174,8 @@ DELEGATED = {
     "quantize": ("dspark_serve.models.quantize", "write an NVFP4 (ModelOpt) draft checkpoint from a bf16 one"),
     "fetch": ("dspark_serve.models.fetch", "download the demo target (Qwen2.5-Coder-0.5B GGUF) and convert it"),
     "train-draft": ("dspark_serve.train.cli", "train a DSpark drafter for a target (the DeepSpec recipe)"),
+    "token-map": ("dspark_serve.models.token_map", "rank a target's tokens by frequency in a corpus: an FR-Spec "
+                                                   "token map for speculative_config.dspark_token_map"),
 }
 
 

@@ -13,6 +13,7 @@ from dspark_serve.kernels.dispatch import use_triton
 from dspark_serve.kernels.markov_walk_ref import markov_walk_ref
 from dspark_serve.models.dspark import DSparkDraft
 from dspark_serve.models.nvfp4_linear import NVFP4Linear, keep_dense_up_to
+from dspark_serve.models.token_map import load_token_map, restrict_draft_vocab
 
 from .draft_graphs import DraftGraphs
 from .kv_cache import BlockAllocator, batch_metadata, positions_of
@@ -95,8 +96,10 @@ class DraftSide:
 
     def __init__(self, model: DSparkDraft, num_blocks: int, block_size: int, spec: SpeculativeConfig,
                  target_vocab: int) -> None:
+        spec.validate(block_limit=model.config.num_speculative_tokens)
+        if spec.dspark_token_map is not None:
+            restrict_draft_vocab(model, load_token_map(spec.dspark_token_map, target_vocab), target_vocab)
         cfg = model.config
-        spec.validate(block_limit=cfg.num_speculative_tokens)
         self.model, self.spec, self.block_size, self.target_vocab = model, spec, block_size, target_vocab
         self.num_speculative_tokens = spec.num_speculative_tokens or cfg.num_speculative_tokens
         self.device = model.fc.weight.device

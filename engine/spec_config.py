@@ -19,6 +19,7 @@ class SpeculativeConfig:
     dspark_budget_frac: float = 0.0  # > 0: verify the top floor(R * N * frac) + 1 slots by last step's survival
     dspark_max_verify_tokens: int = 0  # > 0: at most this many drafts per step, the likeliest first (load shedding)
     dspark_quantize_lm_head: bool = False  # draft logits from a 4-bit (NVFP4) copy of a bf16 lm_head (the target's)
+    dspark_token_map: str | None = None  # FR-Spec token map (.pt / .json ids): the draft scores only those tokens
     model: str | None = None  # the draft directory (vLLM's field), may also be given separately
 
     def validate(self, block_limit: int | None = None) -> None:
@@ -41,6 +42,10 @@ class SpeculativeConfig:
         if not isinstance(self.dspark_quantize_lm_head, bool):
             raise ValueError("speculative_config.dspark_quantize_lm_head must be true or false, "
                              f"got {self.dspark_quantize_lm_head!r}")
+        if self.dspark_token_map is not None and (not isinstance(self.dspark_token_map, str)
+                                                  or not self.dspark_token_map):
+            raise ValueError("speculative_config.dspark_token_map must be the path of a token map file, "
+                             f"got {self.dspark_token_map!r}")
         if not 0.0 <= self.dspark_budget_frac <= 1.0:
             raise ValueError(f"speculative_config.dspark_budget_frac must be in [0, 1], got {self.dspark_budget_frac!r}")
 

@@ -32,6 +32,8 @@
 #             P1/P2 and the demo-shape step with DSPARK_DENSE_TILED off / on)
 #   prefill   random weights only: prefill graphs and the norms inside the one-row GEMVs (GPU tests; the demo-shape
 #             generation with DSPARK_PROMPT_GRAPHS off / on, alternating; bench_gpu 8B / 0.6B with NORM_GEMV off / on)
+#   fr        random weights only: FR-Spec token maps (dspark_token_map, 32k / 16k tokens) against the whole
+#             vocabulary: the demo-shape speculative step and draft graph, the 8B NVFP4 draft block (P3)
 #   ttft      random weights only: GPU tests, then one prompt's time to first token eager / graph by length at the
 #             8B, 0.6B and 0.5B shapes, with the prefill-graph rule (DSPARK_PROMPT_GRAPH_WORK) and without it
 #   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
@@ -227,6 +229,18 @@ ttft)  # random weights: GPU tests, then bench_prefill with the MAX_WORK rule, a
             | sed -n '/^model /,$p' | sed "s/$/  WORK=$w/" >> "$OUT/ttft_tables.log"
     done
     cat "$OUT/ttft_tables.log" ;;
+fr)  # random weights: FR-Spec token maps (the draft scores 32k / 16k tokens): demo-shape step A/B, the 8B draft block
+    timeout 120 python3 -P -m pytest -q -rf tests/test_token_map.py tests/gpu/test_engine_gpu.py 2>&1 | tail -2
+    python3 -c "import torch; [torch.save(torch.arange(n), f'/tmp/map{n}.pt') for n in (16384, 32768)]"
+    for m in none 32768 none 16384; do
+        cfg='{"dspark_draft_topk": 64}'
+        [ $m != none ] && cfg="{\"dspark_draft_topk\": 64, \"dspark_token_map\": \"/tmp/map$m.pt\"}"
+        timeout 100 python3 bench/bench_step.py --speculative-config "$cfg" --json "$OUT/bench_step_map$m.json" \
+            2>&1 | grep -v Warn | grep "^== spec\|draft graph" | sed "s/^/MAP=$m /" >> "$OUT/fr_tables.log"
+    done
+    timeout 250 python3 bench/bench_gpu.py --models 8b --batch 1 --topk 64 --iters 20 --token-map 32768 \
+        --json "$OUT/bench_gpu_map.json" 2>&1 | grep -v Warn | sed -n '/^model .*fmt/,$p' >> "$OUT/fr_tables.log"
+    cat "$OUT/fr_tables.log" ;;
 dprof)  # random weights: P1-P3 at the 8B shape, batch 1, and the NVFP4 draft block's kernel table (P3)
     timeout 300 python3 bench/bench_gpu.py --models 8b --batch 1 --topk 64 --iters 20 --draft-kernels 45 \
         --json "$OUT/bench_gpu_dprof.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_dprof.log" | tail -70 ;;
