@@ -5,6 +5,7 @@ completions, and times each prompt again with speculation disabled on the same s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -30,6 +31,16 @@ READY = re.compile(r"serving dspark.v1.Generation on (\S+:\d+)")
 # CPU: tau 2.78 against 2.79 over the full vocabulary, and an H200 step 3.03 ms against 4.08 ms.
 GPU_SPEC_CONFIG = '{"dspark_draft_topk": 64}'
 CPU_SPEC_CONFIG = '{"dspark_confidence_threshold": 0.3, "dspark_draft_topk": 64}'
+
+
+def cpu_fp32_spec_config(draft: Path) -> str:
+    """CPU_SPEC_CONFIG, plus the shipped drafter's token map when it drafts: in fp32 on a CPU its whole-vocabulary
+    lm_head is a large share of the step (bench/RESULTS.md, FR-Spec token maps)."""
+    from dspark_serve.models.demo import DEMO_DRAFTER, DEMO_TOKEN_MAP
+
+    if draft.resolve() != DEMO_DRAFTER or not DEMO_TOKEN_MAP.is_file():
+        return CPU_SPEC_CONFIG
+    return json.dumps({**json.loads(CPU_SPEC_CONFIG), "dspark_token_map": str(DEMO_TOKEN_MAP)})
 
 
 def cpu_dtype() -> str:
@@ -102,7 +113,7 @@ def run_demo(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
     dtype = args.dtype or (None if cuda else cpu_dtype())
     cpu_fp32 = not cuda and dtype == "float32"
-    spec_config = args.speculative_config or (CPU_SPEC_CONFIG if cpu_fp32 else GPU_SPEC_CONFIG)
+    spec_config = args.speculative_config or (cpu_fp32_spec_config(draft) if cpu_fp32 else GPU_SPEC_CONFIG)
     actors = "the verifier actor (with the draft inside)" if args.colocate else "the verifier and draft actors"
     print(f"target {target}\ndraft  {draft}\ndtype {dtype or 'bfloat16 (the checkpoint)'}\n"
           f"speculative_config {spec_config}\nstarting Ray, {actors} and the gateway ...", flush=True)
