@@ -127,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="the map, a .pt file (or .json)")
     args = ap.parse_args(argv)
     try:
-        vocab = int(read_json(Path(args.target) / "config.json")["vocab_size"])
+        vocab = read_json(Path(args.target) / "config.json").get("vocab_size")
+        if not isinstance(vocab, int) or vocab < 1:
+            raise ValueError(f"{args.target}/config.json: no vocab_size")
         if not 0 < args.size <= vocab:
             raise ValueError(f"--size must be in [1, {vocab}], got {args.size}")
         from .tokenizer import load_tokenizer
         counts = count_tokens(args.data, lambda: load_tokenizer(args.target))
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"dspark-serve token-map: error: {e}", file=sys.stderr)
         return 2
     ids = rank_tokens(counts, vocab, args.size)

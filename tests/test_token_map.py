@@ -144,6 +144,9 @@ def test_token_map_cli_ranks_response_tokens(tmp_path, capsys):
     assert main(["--target", str(target), "--data", str(tmp_path / "text.txt"), "--size", "5", "--out", str(out)]) \
         == 2
     assert "no tokenizer.json" in capsys.readouterr().err  # text needs the target's tokenizer
+    (target / "config.json").write_text("{}")
+    assert main(["--target", str(target), "--data", str(data), "--out", str(out)]) == 2
+    assert "config.json: no vocab_size" in capsys.readouterr().err
 
 
 def test_spec_config_refuses_a_non_path_token_map():
