@@ -34,8 +34,8 @@ CPU_SPEC_CONFIG = '{"dspark_confidence_threshold": 0.3, "dspark_draft_topk": 64}
 
 
 def cpu_fp32_spec_config(draft: Path) -> str:
-    """CPU_SPEC_CONFIG, plus the shipped drafter's token map when it drafts: in fp32 on a CPU its whole-vocabulary
-    lm_head is a large share of the step (bench/RESULTS.md, FR-Spec token maps)."""
+    """CPU_SPEC_CONFIG, plus the shipped token map when the shipped drafter drafts: in fp32 on a CPU its
+    whole-vocabulary lm_head is a large share of the step (bench/RESULTS.md, FR-Spec token maps)."""
     from dspark_serve.models.demo import DEMO_DRAFTER, DEMO_TOKEN_MAP
 
     if draft.resolve() != DEMO_DRAFTER or not DEMO_TOKEN_MAP.is_file():

@@ -7,8 +7,9 @@ from pathlib import Path
 from .fetch import GGUFSource, default_cache_dir
 
 DEMO_DRAFTER = Path(__file__).resolve().parent / "checkpoints" / "qwen2.5-coder-0.5b-dspark"
-# FR-Spec token map: the 32768 target tokens most frequent in the drafter's training prompts (dspark-serve token-map)
-DEMO_TOKEN_MAP = DEMO_DRAFTER / "token_map_32768.pt"
+# FR-Spec token map of the target's vocabulary: the 32768 tokens most frequent in the drafter's training prompts
+# (dspark-serve token-map); kept beside the drafter, not in it
+DEMO_TOKEN_MAP = Path(__file__).resolve().parent / "token_maps" / "qwen2.5-coder-0.5b-instruct-32768.pt"
 
 
 def demo_target_dir(cache_dir: str | Path | None = None) -> Path:

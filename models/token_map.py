@@ -4,7 +4,7 @@ over K logits. Verification is unchanged, so outputs stay the target's; tokens o
 
 usage: dspark-serve token-map --target DIR --data FILE [FILE ...] [--size 32768] --out FILE.pt
   FILE: train-draft's prompts.jsonl (the target's own responses: `response_ids`, the best source), jsonl with
-  `prompt` texts, or plain text. The map is a 1-D int64 tensor of token ids, most frequent first (as FR-Spec's).
+  `prompt` texts, or plain text. The map is a 1-D int32 tensor of token ids, most frequent first (as FR-Spec's).
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out.suffix == ".json":
         args.out.write_text(json.dumps(ids.tolist()))
     else:
-        torch.save(ids, args.out)
+        torch.save(ids.to(torch.int32), args.out)
     print(f"{args.out}: {args.size} of {vocab} tokens; {len(counts)} distinct in {total} counted tokens, "
           f"{100 * covered / max(total, 1):.2f} % of them in the map")
     return 0

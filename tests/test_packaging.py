@@ -21,8 +21,10 @@ def test_install_puts_only_the_namespace_at_top_level(tmp_path):
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}).stdout
     assert out.startswith(str(site))
     assert (site / "bin" / "dspark-serve").is_file()
-    drafter = site / "dspark_serve" / "models" / "checkpoints" / "qwen2.5-coder-0.5b-dspark"
-    assert {p.name for p in drafter.iterdir()} >= {"config.json", "model.safetensors", "token_map_32768.pt"}
+    models = site / "dspark_serve" / "models"
+    assert {p.name for p in (models / "checkpoints" / "qwen2.5-coder-0.5b-dspark").iterdir()} \
+        >= {"config.json", "model.safetensors"}
+    assert (models / "token_maps" / "qwen2.5-coder-0.5b-instruct-32768.pt").is_file()
 
 
 def test_cpu_install_needs_no_triton():
