@@ -31,7 +31,10 @@ def load_token_map(path: str | Path, vocab_size: int) -> Tensor:
     if not path.is_file():
         raise CheckpointError(f"token map {path}: file not found")
     if path.suffix == ".json":
-        raw = json.loads(path.read_text())
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"token map {path}: not valid JSON ({e})") from e
         if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
             raise CheckpointError(f"token map {path}: expected a JSON list of token ids")
         ids = torch.tensor(raw, dtype=torch.int64)

@@ -57,6 +57,9 @@ def test_load_token_map_refuses_missing_and_unreadable_files(tmp_path):
     (tmp_path / "bad.json").write_text('{"ids": [1]}')
     with pytest.raises(CheckpointError, match="JSON list of token ids"):
         load_token_map(tmp_path / "bad.json", VOCAB)
+    (tmp_path / "cut.json").write_text('[1, 2,')
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_token_map(tmp_path / "cut.json", VOCAB)
 
 
 def _propose(side: DraftSide, ctx: int = 30, temperature: float = 0.0):
