@@ -21,16 +21,16 @@ import torch
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.prompt_graphs import _bucket
 from dspark_serve.engine.sampling_params import SamplingParams
-from dspark_serve.models.config import ModelConfig
 from dspark_serve.models.qwen import QwenForCausalLM
 
 from bench_gpu import random_module, target_config
-from bench_step import QWEN25_05B
+from bench_step import random_target
 
 
 def make_target(name: str, device: str, dtype: torch.dtype) -> QwenForCausalLM:
-    config = ModelConfig(**QWEN25_05B, dtype=dtype) if name == "0.5b" else target_config(name, dtype)
-    return random_module(lambda: QwenForCausalLM(config), device, dtype)
+    if name == "0.5b":  # the demo target's shape, as bench_step builds it
+        return random_target(device, dtype)
+    return random_module(lambda: QwenForCausalLM(target_config(name, dtype)), device, dtype)
 
 
 def ttft_ms(llm: LLM, prompt: list[int]) -> float:
