@@ -1,5 +1,6 @@
 """Convert a llama.cpp GGUF (arch qwen2 or qwen3) into an HF folder our loader reads: dequantized
-model.safetensors, config.json, generation_config.json and a tokenizer.json rebuilt from the metadata."""
+model.safetensors, config.json, generation_config.json, a tokenizer.json rebuilt from the metadata and a
+tokenizer_config.json with the special tokens and the chat template."""
 
 from __future__ import annotations
 
@@ -111,6 +112,18 @@ def _tokenizer(reader: Any) -> Any:
     return tok
 
 
+def _tokenizer_config(meta: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """Special tokens by name and the GGUF's chat template. A token the GGUF does not name is written as null, so
+    transformers does not put its tokenizer class's default (Qwen2's eos "<|endoftext|>") in its place."""
+    cfg: dict[str, Any] = {}
+    for name, gguf_key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        token_id = meta.get(f"tokenizer.ggml.{gguf_key}_token_id")
+        cfg[f"{name}_token"] = None if token_id is None else tokenizer.id_to_token(int(token_id))
+    if "tokenizer.chat_template" in meta:
+        cfg["chat_template"] = str(meta["tokenizer.chat_template"])
+    return cfg
+
+
 def _progress(done: int, total: int, enabled: bool) -> None:
     """A rewritten line on a terminal; about every tenth tensor, one line each, in a log."""
     if not enabled:
@@ -157,4 +170,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
         gen["eos_token_id"] = [gen["eos_token_id"], end_of_text]
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(meta, tokenizer), indent=2,
+                                                          ensure_ascii=False) + "\n", encoding="utf-8")
     return out

