@@ -1,12 +1,19 @@
 """Deployments: KubeRay manifests against the CRD schemas, Serve configs against Ray's schema, the real Serve app
-through Serve's gRPC proxy, and the Dockerfiles' install step in a clean venv."""
+through Serve's gRPC proxy, the Dockerfiles' COPY list built into a wheel, their torch pins, and their install step
+in a clean venv."""
 
+import json
 import os
+import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
+import tomllib
+import zipfile
+from pathlib import Path, PurePosixPath
 
 import grpc
 import jsonschema
@@ -132,6 +139,8 @@ def test_install_script_in_a_clean_venv(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
+    torch_pin = re.search(r"torch==\S+", (ROOT / "deploy" / "Dockerfile.cpu").read_text())[0]
+    subprocess.run([str(py), "-m", "pip", "install", "-q", torch_pin], check=True, timeout=900)  # as the image does
     proc = subprocess.run(["bash", str(ROOT / "deploy" / "install.sh"), "cpu", str(ROOT)], capture_output=True,
                           text=True, env={**os.environ, "PYTHON": str(py)}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -140,3 +149,139 @@ def test_install_script_in_a_clean_venv(tmp_path):
     assert "serve" in out.stdout and "generate" in out.stdout
     for dockerfile in ("Dockerfile", "Dockerfile.cpu"):
         assert "bash deploy/install.sh" in (ROOT / "deploy" / dockerfile).read_text()
+
+
+DOCKERFILES = ("Dockerfile", "Dockerfile.cpu")
+_PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction: continuation lines joined, comment lines dropped."""
+    steps, pending = [], ""
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        word, _, args = (pending + line).strip().partition(" ")
+        steps.append((word.upper(), args.strip()))
+        pending = ""
+    return steps
+
+
+def _copy_args(args: str) -> tuple[dict[str, str], list[str], str]:
+    """COPY [--flag[=value] ...] SRC... DEST, in shell or JSON form -> (flags, sources, dest)."""
+    flags = {}
+    while args.startswith("--"):
+        flag, _, args = args.partition(" ")
+        name, _, value = flag[2:].partition("=")
+        flags[name] = value
+        args = args.lstrip()
+    words = json.loads(args) if args.startswith("[") else shlex.split(args)
+    return flags, words[:-1], words[-1]
+
+
+def _stage_image(text: str, context: Path, image: Path) -> Path:
+    """Lay out under `image` what the Dockerfile COPYs from `context`; returns the folder it runs install.sh on."""
+    assert not (context / ".dockerignore").exists(), "a .dockerignore is not modelled here: teach _stage_image it"
+    workdir, src = PurePosixPath("/"), None
+    for word, args in _instructions(text):
+        if word == "WORKDIR":
+            workdir = workdir / args
+        elif word == "RUN" and (m := re.search(r"deploy/install\.sh\s+\w+\s+(\S+)", args)):
+            src = image / (workdir / m[1]).relative_to("/")
+        elif word == "COPY":
+            flags, sources, dest = _copy_args(args)
+            if "from" in flags:
+                continue  # another stage's or image's files, not the build context
+            target = image / (workdir / dest).relative_to("/")
+            into_dir = dest.endswith("/") or len(sources) > 1
+            for source in sources:
+                pattern = source.lstrip("/")
+                paths = sorted(context.glob(pattern)) if any(c in pattern for c in "*?[") else [context / pattern]
+                paths = [p for p in paths if p.exists()]
+                assert paths, f"COPY source {source!r} does not exist in the build context {context}"
+                for path in paths:
+                    if path.is_dir():  # Docker copies a folder's contents, not the folder
+                        shutil.copytree(path, target, dirs_exist_ok=True)
+                    else:
+                        out = target / path.name if into_dir or len(paths) > 1 else target
+                        out.parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(path, out)
+    assert src is not None, "no RUN bash deploy/install.sh <flavor> <dir> in the Dockerfile"
+    return src
+
+
+def _expected_wheel_files() -> list[str]:
+    """pyproject's packages (their __init__.py) and every file its package-data globs match here."""
+    tool = _PYPROJECT["tool"]["setuptools"]
+    dirs = tool["package-dir"]
+    files = [pkg.replace(".", "/") + "/__init__.py" for pkg in tool["packages"]]
+    for pkg, patterns in tool["package-data"].items():
+        parent = max((p for p in dirs if pkg == p or pkg.startswith(p + ".")), key=len)
+        folder = ROOT / dirs[parent] / pkg[len(parent):].lstrip(".").replace(".", "/")
+        for pattern in patterns:
+            matches = sorted(folder.glob(pattern))
+            assert matches, f"package-data {pkg}: {pattern!r} matches nothing under {folder}"
+            files += [pkg.replace(".", "/") + "/" + m.relative_to(folder).as_posix() for m in matches]
+    return files
+
+
+def _check_wheel_from_copies(text: str, tmp: Path) -> None:
+    src = _stage_image(text, ROOT, tmp / "image")
+    out = tmp / "wheels"
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out),
+                           str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"no wheel from the COPYed files:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    [wheel] = out.glob("dspark_serve-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    missing = [f for f in _expected_wheel_files() if f not in names]
+    assert not missing, f"the wheel built from the COPYed files lacks {missing}"
+    readme = _PYPROJECT["project"]["readme"]  # setuptools builds without it, silently dropping the description
+    first_line = (ROOT / readme).read_text().splitlines()[0]
+    assert first_line in metadata, f"the wheel's description lacks {readme} (not COPYed?)"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_dockerfile_copies_build_the_whole_wheel(dockerfile, tmp_path):
+    """Only what the Dockerfile COPYs, laid out as in the image, builds a wheel with every package and data file."""
+    text = (ROOT / "deploy" / dockerfile).read_text()
+    assert re.search(rf"docker build -f deploy/{re.escape(dockerfile)} .* \.(\s|$)", text)  # context: the repo root
+    _check_wheel_from_copies(text, tmp_path)
+
+
+def test_dockerfile_copy_check_can_fail(tmp_path):
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "COPY train train\n" in text
+    with pytest.raises(AssertionError, match="'train' does not exist"):
+        _check_wheel_from_copies(text.replace("COPY train train\n", ""), tmp_path / "no_train")
+    with pytest.raises(AssertionError, match="'nowhere' does not exist"):
+        _stage_image(text + "COPY nowhere /x/\n", ROOT, tmp_path / "no_source")
+
+
+def _check_torch_install(text: str, index: str, pins: tuple[str, ...]) -> None:
+    steps = _instructions(text)
+    bases = [next(w for w in args.split() if not w.startswith("--")) for word, args in steps if word == "FROM"]
+    [install] = [args for word, args in steps if word == "RUN" and re.search(r"pip install .*\btorch\b", args)]
+    assert f"--index-url {index}" in install, f"torch should come from {index}: {install}"
+    for pin in pins:
+        assert re.search(rf"\b{re.escape(pin)}(\.\d+|\.\*)(\s|$)", install), f"expected {pin}.* in: {install}"
+    cuda_bases = [b for b in bases if b.startswith("nvidia/cuda")]
+    assert not cuda_bases, f"pip's torch brings CUDA's libraries; the base {cuda_bases} ships them again"
+
+
+def test_images_install_the_pinned_torch_build():
+    """CUDA: the torch and triton the GPU kernels are tested with, on a plain Python base; CPU: the CPU build."""
+    cuda = (ROOT / "deploy" / "Dockerfile").read_text()
+    _check_torch_install(cuda, "https://download.pytorch.org/whl/cu130", ("torch==2.11", "triton==3.6"))
+    _check_torch_install((ROOT / "deploy" / "Dockerfile.cpu").read_text(), "https://download.pytorch.org/whl/cpu",
+                         ("torch==2.13",))
+    with pytest.raises(AssertionError, match="triton==3.6"):
+        _check_torch_install(cuda.replace("triton==3.6.0", "triton"), "https://download.pytorch.org/whl/cu130",
+                             ("torch==2.11", "triton==3.6"))
+    with pytest.raises(AssertionError, match="ships them again"):
+        _check_torch_install(re.sub(r"(?m)^FROM .*", "FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04", cuda),
+                             "https://download.pytorch.org/whl/cu130", ("torch==2.11", "triton==3.6"))
