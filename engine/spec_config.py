@@ -15,7 +15,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None  # None: the draft's trained block (anchor-first) or block - 1
     dspark_draft_topk: int = 0  # 0: bias the full vocab; k: only the top-k candidates of the base logits
     draft_sample_method: str = "probabilistic"  # or "greedy": argmax drafts even for sampled requests
-    dspark_confidence_threshold: float = 0.0  # verify only drafts whose prefix survival >= this; 0 = off
+    dspark_confidence_threshold: float = 0.0  # verify the drafts before the first with c_k < this (DeepSpec); 0 = off
+    dspark_survival_threshold: float = 0.0  # verify the drafts whose survival prod_{i<=k} c_i >= this; 0 = off
     dspark_budget_frac: float = 0.0  # > 0: verify the top floor(R * N * frac) + 1 slots by last step's survival
     dspark_max_verify_tokens: int = 0  # > 0: at most this many drafts per step, the likeliest first (load shedding)
     dspark_quantize_lm_head: bool = False  # draft logits from a 4-bit (NVFP4) copy of a bf16 lm_head (the target's)
@@ -36,6 +37,9 @@ class SpeculativeConfig:
         if not 0.0 <= self.dspark_confidence_threshold <= 1.0:
             raise ValueError("speculative_config.dspark_confidence_threshold must be in [0, 1], "
                              f"got {self.dspark_confidence_threshold!r}")
+        if not 0.0 <= self.dspark_survival_threshold <= 1.0:
+            raise ValueError("speculative_config.dspark_survival_threshold must be in [0, 1], "
+                             f"got {self.dspark_survival_threshold!r}")
         if not isinstance(self.dspark_max_verify_tokens, int) or self.dspark_max_verify_tokens < 0:
             raise ValueError("speculative_config.dspark_max_verify_tokens must be an int >= 0, "
                              f"got {self.dspark_max_verify_tokens!r}")

@@ -53,6 +53,7 @@ CASES = {
     "draft-topk3": (dict(), {"dspark_draft_topk": 3}, SamplingParams(temperature=0.8, max_tokens=3)),
     "target-topk-topp-minp": (dict(), {}, SamplingParams(temperature=1.3, top_k=5, top_p=0.9, min_p=0.05, max_tokens=3)),
     "confidence-trimming": (dict(), {"dspark_confidence_threshold": 0.4}, SamplingParams(temperature=1.0, max_tokens=3)),
+    "survival-trimming": (dict(), {"dspark_survival_threshold": 0.4}, SamplingParams(temperature=1.0, max_tokens=3)),
     "greedy-drafts": (dict(), {"draft_sample_method": "greedy"}, SamplingParams(temperature=1.0, max_tokens=3)),
     "token-cap": (dict(), {"dspark_max_verify_tokens": 300}, SamplingParams(temperature=1.0, max_tokens=3)),
 }
@@ -65,7 +66,7 @@ def test_speculative_sampling_matches_target_distribution(name):
     llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=4096, max_num_seqs=512)
     outs = llm.generate([PROMPT] * SAMPLES, [SamplingParams(**{**params.__dict__, "seed": s}) for s in range(SAMPLES)])
     drafted = sum(o.stats["drafted"] for o in outs)  # tokens 2 and 3 went through verification
-    if "confidence" in name or "cap" in name:
+    if "trimming" in name or "cap" in name:
         assert 100 < drafted < SAMPLES * 0.9, drafted  # trimmed for some requests, not for all
     else:
         assert drafted == SAMPLES, drafted
@@ -85,14 +86,25 @@ def test_speculative_sampling_matches_target_distribution(name):
     assert p_value > 1e-3, (name, stat, len(cells), p_value)
 
 
-def test_same_seed_same_output_alone_or_batched():
+@pytest.mark.parametrize("spec", [{}, {"dspark_confidence_threshold": 0.4}, {"dspark_survival_threshold": 0.3}],
+                         ids=["default", "confidence-threshold", "survival-threshold"])
+def test_same_seed_same_output_alone_or_batched(spec):
+    """A seeded request's tokens do not depend on the batch: each alone equals itself among seeded, unseeded and
+    greedy requests of other lengths, which join and leave the batch at other steps."""
     target, draft = build_pair(seed=2, vocab=64, block_size=4)
-    params = SamplingParams(temperature=1.0, max_tokens=12, seed=1234)
-    llm = LLM(target, draft, device="cpu")
-    alone = llm.generate([[3, 4, 5]], params)[0].token_ids
-    mixed = llm.generate([[9, 9], [3, 4, 5], [1]], [SamplingParams(temperature=0.7, max_tokens=5), params,
-                                                     SamplingParams(temperature=0, max_tokens=9)])[1].token_ids
-    assert alone == mixed
+    prompts = [[3, 4, 5], [9, 9], [1], [7, 2, 8, 8, 1], [5], [6, 6, 6, 6]]
+    params = [SamplingParams(temperature=1.0, max_tokens=12, seed=1234),
+              SamplingParams(temperature=0.7, max_tokens=5),
+              SamplingParams(temperature=0.0, max_tokens=9),
+              SamplingParams(temperature=0.8, top_k=20, max_tokens=15, seed=7),
+              SamplingParams(temperature=1.2, top_p=0.9, max_tokens=10, seed=99),
+              SamplingParams(temperature=1.0, max_tokens=3, seed=5)]
+    llm = LLM(target, draft, spec, device="cpu", max_num_seqs=4)  # the last two wait for a free slot
+    mixed = llm.generate(prompts, params)
+    for i in (0, 3, 4, 5):
+        alone = llm.generate([prompts[i]], params[i])[0]
+        assert alone.token_ids == mixed[i].token_ids, (i, alone.token_ids, mixed[i].token_ids)
+        assert len(alone.token_ids) == params[i].max_tokens
 
 
 def test_chi2_sf_matches_known_values():
