@@ -114,18 +114,19 @@ class VerifierActor:
         if self._draining:
             raise RuntimeError("draining: not accepting new requests")
         sp = SamplingParams(**params)
+        ids = self.llm.encode(prompt)
+        self.llm.add_request(ids, sp, request_id=request_id, num_speculative_tokens=num_speculative_tokens,
+                             confidence_threshold=confidence_threshold)
         with self._cv:
-            self.llm.add_request(prompt, sp, request_id=request_id, num_speculative_tokens=num_speculative_tokens,
-                                 confidence_threshold=confidence_threshold)
             self._cv.notify_all()
-            return len(self.llm.scheduler.waiting[-1].prompt_ids)
+        return len(ids)
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Frees the blocks at once (between steps) and streams a final "abort" output for each."""
+        aborted = [r for r in request_ids if self.llm.abort(r)]
         with self._cv:
-            outs = [o for o in (self.llm.abort(r) for r in request_ids) if o is not None]
-        self._publish(outs)
-        return [o.request_id for o in outs]
+            self._cv.notify_all()
+        return aborted
 
     def wait_outputs(self, timeout_s: float = 0.1) -> list[dict]:
         with self._cv:

@@ -6,7 +6,7 @@ import asyncio
 import gc
 import itertools
 import logging
-import random
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -21,8 +21,9 @@ from dspark_serve.models.target_loader import load_target
 from dspark_serve.models.tokenizer import eos_token_ids as read_eos_token_ids
 from dspark_serve.models.tokenizer import load_tokenizer
 
+from .detokenize import TextStream, TokenText, text_stream
 from .draft_side import DraftSide
-from .request import Request, RequestOutput
+from .request import Request, RequestOutput, StepOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .spec_config import SpeculativeConfig
@@ -38,11 +39,12 @@ class LLM:
                  num_kv_blocks: int = 2048, max_num_seqs: int = 64, max_model_len: int = 4096,
                  eos_token_ids: Sequence[int] | None = None, draft_side: Any = None,
                  capture_layers: tuple[int, ...] = (), enforce_eager: bool | None = None,
-                 warmup: bool = True) -> None:
+                 warmup: bool = True, tokenizer: str | Path | Any = None) -> None:
         """`draft_side` (with `capture_layers`) plugs in a draft living elsewhere, e.g. behind the step channel.
         `enforce_eager` (vLLM's name; default: True on CPU, False on CUDA): False runs decode/verify steps with
         static shapes, captured as CUDA graphs on CUDA. `warmup`: record the batch-1 graphs here (warm_up())
-        instead of on the first requests that meet them."""
+        instead of on the first requests that meet them. `tokenizer`: a directory, or a `tokenizers.Tokenizer`
+        (default: the target directory's)."""
         spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) else \
             SpeculativeConfig.from_json(speculative_config)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,6 +57,8 @@ class LLM:
             if (Path(target) / "tokenizer.json").is_file() or (Path(target) / "vocab.json").is_file():
                 self.tokenizer = load_tokenizer(target)
             eos_token_ids = eos_token_ids if eos_token_ids is not None else read_eos_token_ids(target)
+        if tokenizer is not None:
+            self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
         draft_model = None
         if draft is not None:
             draft_model = draft if isinstance(draft, DSparkDraft) else load_draft(draft, target=target_model,
@@ -70,11 +74,11 @@ class LLM:
             self.target.use_static_shapes((1, 1 + drafts) if drafts else (1,), max_model_len)
             if isinstance(self.draft, DraftSide):
                 self.draft.use_static_shapes(max_model_len)
-        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)) if self.tokenizer else None
+        self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
         self.scheduler = Scheduler(self.target, self.draft, spec, max_num_seqs=max_num_seqs,
-                                   eos_token_ids=tuple(eos_token_ids or ()), decode=decode)
+                                   eos_token_ids=tuple(eos_token_ids or ()))
         self._ids = itertools.count()
-        self._rng = random.Random(0)
+        self._streams: dict[str, tuple[list[int], TextStream]] = {}  # request id -> (prompt ids, its text)
         self._queues: dict[str, asyncio.Queue] = {}  # generate_stream: request id -> its outputs
         self._loop_task: asyncio.Task | None = None
         if warmup:
@@ -124,17 +128,50 @@ class LLM:
             raise ValueError(f"num_speculative_tokens must be in [0, {self.max_speculative_tokens}], got {n}")
         if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        if params.stop and self.token_text is None:
+            raise ValueError("stop strings need a tokenizer in the target directory; use stop_token_ids")
+        seed = params.seed if params.seed is not None else secrets.randbits(62)  # fresh per request and process
         rid = request_id or f"req-{next(self._ids)}"
         self.scheduler.add(Request(rid, ids, params, seed, n, confidence_threshold=confidence_threshold))
+        self._streams[rid] = (ids, text_stream(self.token_text, params.stop, params.include_stop_str_in_output))
         return rid
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """The request's final output (finish_reason "abort"), or None when it is not queued or running."""
+    def abort(self, request_id: str) -> bool:
+        """End the request at the next step, whose outputs carry its final one (finish_reason "abort"); False
+        when it is not queued or running."""
         return self.scheduler.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
-        return self.scheduler.step()
+        """One engine step; each output carries the request's new tokens and text."""
+        return [o for o in map(self._process, self.scheduler.step()) if o is not None]
+
+    def _process(self, out: StepOutput) -> RequestOutput | None:
+        """Text, stop strings and the cumulative view of one request's step output. A stop string ends the
+        output at once and aborts the request; its stats arrive with the engine's last output for it."""
+        rid, new, reason, stats = out
+        entry = self._streams.get(rid)
+        if entry is None:
+            return None
+        prompt_ids, stream = entry
+        if stream.stopped:  # tokens past a stop string: only the stats of the end are wanted
+            if reason is None:
+                return None
+            reason, new, delta = "stop", [], ""
+        else:
+            new, delta = stream.push(new)
+            if stream.stopped:
+                if reason is None:
+                    self.scheduler.abort(rid)
+                    return RequestOutput(rid, prompt_ids, list(stream.token_ids), stream.text, new, False, None, {},
+                                         delta)
+                reason = "stop"
+            elif reason is not None:
+                delta += stream.finish()
+                reason = "stop" if stream.stopped else reason
+        if reason is None:
+            return RequestOutput(rid, prompt_ids, list(stream.token_ids), stream.text, new, False, None, {}, delta)
+        del self._streams[rid]
+        return RequestOutput(rid, prompt_ids, stream.token_ids, stream.text, new, True, reason, stats, delta)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -56,7 +57,6 @@ class Request:
     pending_features: list[Tensor] = field(default_factory=list)  # target features of [draft_context_len, num_computed)
     last_survival: Tensor | None = None  # [N] prefix survival from the previous step (for the budget rule)
     finish_reason: FinishReason | None = None
-    output_text: str = ""
     stats: RequestStats = field(default_factory=RequestStats)
 
     @property
@@ -81,9 +81,19 @@ class Request:
         return self.finish_reason is not None
 
 
+class StepOutput(NamedTuple):
+    """One request's part of one engine step: only its new tokens; the finish reason and stats once, at the
+    end. A tuple, so that a step's outputs cross processes cheaply."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
 @dataclass(frozen=True)
 class RequestOutput:
-    """What a caller sees: the whole output so far (and this step's new tokens when streaming)."""
+    """What a caller of the in-process API sees: the whole output so far, and this step's new tokens and text."""
 
     request_id: str
     prompt_ids: list[int]
@@ -92,4 +102,5 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
-    stats: dict
+    stats: dict  # empty until the request finishes
+    text_delta: str = ""

@@ -28,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
 
     @property
     def is_greedy(self) -> bool:
@@ -56,5 +57,6 @@ class SamplingParams:
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids must be a tuple of ints >= 0, got {ids!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -4,30 +4,32 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable
-
 import torch
 
 from .draft_side import DraftSide
 from .rejection import verify_mixed
-from .request import FinishReason, Request, RequestOutput
+from .request import FinishReason, Request, StepOutput
 from .spec_config import SpeculativeConfig
 from .spec_step import sampling_tensors, spec_step, verify_hints
 from .target_side import TargetSide
 
 
 class Scheduler:
-    """Thread-safe: add/abort may be called while another thread runs step()."""
+    """add/abort may be called from any thread while another runs step(): they land in an inbox that step()
+    applies before its work, so neither waits for a step."""
 
     def __init__(self, target: TargetSide, draft: DraftSide | None, spec: SpeculativeConfig, *,
-                 max_num_seqs: int = 64, eos_token_ids: tuple[int, ...] = (),
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 max_num_seqs: int = 64, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.target, self.draft, self.spec = target, draft, spec
-        self.max_num_seqs, self.eos_token_ids, self.decode = max_num_seqs, set(eos_token_ids), decode
+        self.max_num_seqs, self.eos_token_ids = max_num_seqs, frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # step() and the inbox's consumer side
+        self._inbox_lock = threading.Lock()
+        self._adds: list[Request] = []
+        self._aborts: list[str] = []
+        self._live: set[str] = set()  # ids added and not yet finished
 
     @property
     def lookahead(self) -> int:
@@ -41,44 +43,70 @@ class Scheduler:
         return req.num_tokens + self.lookahead + 1 + (0 if req.output_ids else 1)
 
     def add(self, req: Request) -> None:
+        """Queue a request; ValueError when it could never fit the KV cache, or its id is live."""
         need = len(req.prompt_ids) + req.params.max_tokens + self.lookahead + 1  # must fit when alone
-        pools = [self.target.allocator] + ([self.draft.allocator] if self.draft is not None else [])
+        pools = self._pools()
         if any(p.blocks_for(need) > p.num_blocks for p in pools):
             raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) "
                              f"does not fit the KV cache ({pools[0].num_blocks * pools[0].block_size} tokens)")
-        with self._lock:
-            self.waiting.append(req)
+        with self._inbox_lock:
+            if req.request_id in self._live:
+                raise ValueError(f"request_id {req.request_id!r} is already running")
+            self._live.add(req.request_id)
+            self._adds.append(req)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Free the request's blocks now; returns its final output (finish_reason "abort"), None if unknown."""
-        with self._lock:
-            for req in list(self.waiting):
-                if req.request_id == request_id:
-                    self.waiting.remove(req)
-                    req.finish_reason = FinishReason.ABORT
-                    return self._output(req, [])
-            for req in self.running:
-                if req.request_id == request_id:
-                    self._finish(req, FinishReason.ABORT)
-                    self.running.remove(req)
-                    return self._output(req, [])
-        return None
+    def abort(self, request_id: str) -> bool:
+        """End the request before the next step's work (its final output, finish_reason "abort", comes out of
+        that step); False when the id is not queued or running."""
+        with self._inbox_lock:
+            if request_id not in self._live:
+                return False
+            self._aborts.append(request_id)
+            return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._adds or self._aborts)
 
-    def step(self) -> list[RequestOutput]:
-        """Prefill what was admitted, then one speculative step for the requests already decoding (so a stream
-        of arrivals cannot starve them)."""
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    def _apply_inbox(self) -> list[StepOutput]:
+        with self._inbox_lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = set(self._aborts), []
+        self.waiting.extend(r for r in adds if r.request_id not in aborts)
+        outputs = [self._abort_output(r) for r in adds if r.request_id in aborts]
+        if aborts:
+            for req in [r for r in self.waiting if r.request_id in aborts]:
+                self.waiting.remove(req)
+                outputs.append(self._abort_output(req))
+            for req in [r for r in self.running if r.request_id in aborts]:
+                self._release(req)
+                self.running.remove(req)
+                outputs.append(self._abort_output(req))
+        return outputs
+
+    def _abort_output(self, req: Request) -> StepOutput:
+        req.finish_reason = FinishReason.ABORT
+        return self._output(req, [])
+
+    def step(self) -> list[StepOutput]:
+        """Apply the inbox, prefill what was admitted, then one speculative step for the requests already
+        decoding (so a stream of arrivals cannot starve them). -> each request's new tokens of this step."""
         with self._lock:
+            outputs = self._apply_inbox()
             new = self._admit()
-            outputs = self._prefill(new) if new else []
-            if any(r not in new and not r.is_finished for r in self.running):
+            if new:
+                outputs += self._prefill(new)
+                self.running = [r for r in self.running if not r.is_finished]  # their blocks are free already
+            decoding = [r for r in self.running if r not in new]
+            if decoding:
                 self._make_room()
-                decoding = [r for r in self.running if r not in new and not r.is_finished]
+                decoding = [r for r in self.running if r not in new]
                 if decoding:
                     outputs += self._decode(decoding)
-            self.running = [r for r in self.running if not r.is_finished]
+                self.running = [r for r in self.running if not r.is_finished]
             return outputs
 
     def _pools(self) -> list:
@@ -111,7 +139,7 @@ class Scheduler:
         """Every running request gets the blocks of its next step; when the pools run out the newest request is
         preempted: its blocks are freed and it waits at the head of the queue to be recomputed (its tokens stay)."""
         for req in list(self.running):
-            while req in self.running and not self._grow(req):
+            while req in self.running and not req.is_finished and not self._grow(req):
                 victim = self.running[-1]
                 self.num_preemptions += 1
                 self._release(victim)
@@ -121,7 +149,7 @@ class Scheduler:
                 self.waiting.appendleft(victim)
 
     @torch.inference_mode()
-    def _prefill(self, reqs: list[Request]) -> list[RequestOutput]:
+    def _prefill(self, reqs: list[Request]) -> list[StepOutput]:
         """Prompt (or, after preemption, every committed token but the anchor) through the target."""
         resumed = [r for r in reqs if r.output_ids]
         fresh = [r for r in reqs if not r.output_ids]
@@ -133,7 +161,7 @@ class Scheduler:
                     r.pending_features.append(f)
         return self._prefill_fresh(fresh) if fresh else []
 
-    def _prefill_fresh(self, reqs: list[Request]) -> list[RequestOutput]:
+    def _prefill_fresh(self, reqs: list[Request]) -> list[StepOutput]:
         logits, feats = self.target.run(reqs, [r.prompt_ids for r in reqs], last_only=True)
         p = sampling_tensors(reqs, self.target.device)
         positions = torch.tensor([[len(r.prompt_ids)] for r in reqs], device=self.target.device)
@@ -149,43 +177,31 @@ class Scheduler:
             outputs.append(self._emit(r, [tok]))
         return outputs
 
-    def _decode(self, reqs: list[Request]) -> list[RequestOutput]:
+    def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         result = spec_step(self.target, self.draft, reqs, self.spec)
         return [self._emit(r, toks) for r, toks in zip(reqs, result.new_tokens)]
 
-    def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
-        """Append tokens up to the first stop; a stop inside an accepted run truncates it."""
-        added = []
+    def _emit(self, req: Request, tokens: list[int]) -> StepOutput:
+        """Append tokens up to the first stop; a stop inside an accepted run truncates it. (Stop strings are
+        the output processor's: it aborts the request when one appears.)"""
+        p, n = req.params, 0
         for tok in tokens:
             req.output_ids.append(tok)
-            added.append(tok)
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
-                self._finish(req, reason)
+            n += 1
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                self._finish(req, FinishReason.STOP)
                 break
-        if self.decode is not None and not req.params.stop:
-            req.output_text = self.decode(req.output_ids)
-        return self._output(req, added)
+            if len(req.output_ids) >= p.max_tokens:
+                self._finish(req, FinishReason.LENGTH)
+                break
+        return self._output(req, tokens[:n])
 
-    def _output(self, req: Request, added: list[int]) -> RequestOutput:
-        return RequestOutput(req.request_id, req.prompt_ids, list(req.output_ids), req.output_text, added,
-                             req.is_finished, req.finish_reason.value if req.finish_reason else None,
-                             req.stats.to_dict())
-
-    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
-        p = req.params
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return FinishReason.STOP
-        if p.stop and self.decode is not None:
-            text = self.decode(req.output_ids)
-            hits = [text.find(s) for s in p.stop if s in text]
-            if hits:
-                req.output_text = text[:min(hits)]
-                return FinishReason.STOP
-            req.output_text = text
-        if len(req.output_ids) >= p.max_tokens:
-            return FinishReason.LENGTH
-        return None
+    def _output(self, req: Request, added: list[int]) -> StepOutput:
+        if req.finish_reason is None:
+            return StepOutput(req.request_id, added)
+        with self._inbox_lock:
+            self._live.discard(req.request_id)
+        return StepOutput(req.request_id, added, req.finish_reason.value, req.stats.to_dict())
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason

@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+from byte_tokenizer import byte_tokenizer
 from engine_pairs import build_pair
 
 from dspark_serve.engine.llm import LLM
@@ -48,14 +49,20 @@ def test_eos_stops_unless_ignored(pair, reference):
     assert out.token_ids == reference and out.finish_reason == "length"
 
 
-def test_stop_string_truncates_text_and_tokens(pair, reference):
-    llm = _llm(pair)
-    llm.scheduler.decode = lambda ids: "".join(f"<{t}>" for t in ids)
-    stop = f"<{reference[12]}><{reference[13]}>"
-    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, stop=(stop,)))[0]
-    full = "".join(f"<{t}>" for t in reference)
-    assert out.finish_reason == "stop" and out.text == full[:full.index(stop)]
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_truncates_text_and_tokens(pair, reference, include):
+    tok = byte_tokenizer(256)  # id == byte: the reference's bytes are the text
+    llm = _llm(pair, tokenizer=tok)
+    full = tok.decode(reference)
+    stop = tok.decode(reference[12:14])
+    assert stop and stop in full
+    at = full.index(stop)
+    params = SamplingParams(temperature=0, max_tokens=40, stop=(stop,), include_stop_str_in_output=include)
+    out = llm.generate([PROMPT], params)[0]
+    assert out.finish_reason == "stop" and out.text == full[:at + (len(stop) if include else 0)]
     assert out.token_ids == reference[:len(out.token_ids)] and len(out.token_ids) <= 14
+    assert tok.decode(out.token_ids).startswith(out.text) and stop in tok.decode(out.token_ids)
+    assert llm.target.allocator.num_free == llm.target.allocator.num_blocks
 
 
 def test_abort_frees_blocks_and_others_continue(pair, reference):
@@ -70,7 +77,7 @@ def test_abort_frees_blocks_and_others_continue(pair, reference):
     finished = {}
     while llm.has_unfinished():
         finished.update({o.request_id: o for o in llm.step() if o.finished})
-    assert a not in finished and finished[b].token_ids == reference
+    assert finished[a].finish_reason == "abort" and finished[b].token_ids == reference
     assert llm.target.allocator.num_free == free and llm.draft.allocator.num_free == free
 
 

@@ -1,0 +1,184 @@
+"""Text out of token ids as they are generated: each step's delta costs what its new tokens cost, the deltas
+concatenate to exactly what `tokenizer.decode` gives for the whole output, and stop strings are matched on a
+bounded tail. No torch: the gateway uses it too."""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte <-> printable character map, as the ByteLevel pre-tokenizer and decoder use it."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_CHAR_BYTES = _byte_level_chars()
+
+
+def _token_bytes(token: str) -> bytes:
+    """What the ByteLevel decoder makes of one token: its mapped bytes, or its UTF-8 when a character is not in
+    the map (added tokens written in plain text)."""
+    try:
+        return bytes(_CHAR_BYTES[c] for c in token)
+    except KeyError:
+        return token.encode("utf-8")
+
+
+class TokenText:
+    """A tokenizer's decoding, prepared once. For byte-level BPE (Qwen, GPT-2 families) every id maps to its
+    bytes; other decoders go through `tokenizers.decoders.DecodeStream`."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        from tokenizers import decoders
+
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.table: list[bytes] | None = None
+        if isinstance(tokenizer.decoder, decoders.ByteLevel):
+            vocab = tokenizer.get_vocab(with_added_tokens=True)
+            table = [b""] * (max(vocab.values()) + 1)
+            for token, i in vocab.items():
+                table[i] = _token_bytes(token)
+            for i, added in tokenizer.get_added_tokens_decoder().items():
+                table[i] = b"" if added.special and skip_special_tokens else _token_bytes(added.content)
+            self.table = table
+
+    def stream(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """One request's text, step by step. An incomplete UTF-8 sequence at the end is held back until the token
+    that completes it; `flush` ends the output as a whole decode would (U+FFFD for what never completed)."""
+
+    def __init__(self, text: TokenText) -> None:
+        self.text = text
+        if text.table is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        else:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=text.skip_special_tokens)
+            self._ids: list[int] = []  # only for the last flush of a non-byte-level decoder
+            self._emitted = 0
+
+    def push(self, ids: list[int]) -> str:
+        table = self.text.table
+        if table is not None:
+            n = len(table)
+            return self._utf8.decode(b"".join(table[i] if 0 <= i < n else b"" for i in ids))
+        out = []
+        for i in ids:
+            self._ids.append(i)
+            piece = self._stream.step(self.text.tokenizer, i)
+            if piece:
+                out.append(piece)
+        delta = "".join(out)
+        self._emitted += len(delta)
+        return delta
+
+    def flush(self) -> str:
+        if self.text.table is not None:
+            return self._utf8.decode(b"", final=True)
+        return self.text.decode(self._ids)[self._emitted:]
+
+
+class StopStrings:
+    """Finds the first stop string in text that arrives piece by piece. Text is released as soon as no stop can
+    start in it: the last len(longest stop) - 1 characters are held back, so each search covers the new text and
+    that tail only."""
+
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
+        self.stops, self.include = stops, include
+        self.hold = max(map(len, stops)) - 1 if stops else 0
+        self._pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """-> (text to release, whether a stop string ended the output)."""
+        buf = self._pending + text
+        hit, end = -1, 0
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (hit < 0 or i < hit):
+                hit, end = i, i + len(s)
+        if hit >= 0:
+            self._pending = ""
+            return buf[:end if self.include else hit], True
+        cut = max(len(buf) - self.hold, 0)
+        self._pending = buf[cut:]
+        return buf[:cut], False
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
+
+
+@dataclass
+class TextStream:
+    """One request's tokens -> text deltas, with its stop strings; keeps the committed ids and the text pieces
+    (joined once, at the end)."""
+
+    detok: IncrementalDetokenizer | None  # None: no tokenizer, token ids only
+    stops: StopStrings | None = None
+    token_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    stopped: bool = False
+
+    def push(self, ids: list[int]) -> tuple[list[int], str]:
+        """A step's new ids -> (the ids kept, the text delta). After a stop string the rest of the step is dropped
+        and `stopped` is set."""
+        if self.detok is None:
+            self.token_ids.extend(ids)
+            return ids, ""
+        if self.stops is None:
+            self.token_ids.extend(ids)
+            delta = self.detok.push(ids)
+            self.pieces.append(delta)
+            return ids, delta
+        out = []
+        for k, tok in enumerate(ids):  # token by token: the token that completes a stop is the last one kept
+            piece, hit = self.stops.push(self.detok.push([tok]))
+            out.append(piece)
+            if hit:
+                self.stopped = True
+                ids = ids[:k + 1]
+                break
+        self.token_ids.extend(ids)
+        delta = "".join(out)
+        self.pieces.append(delta)
+        return ids, delta
+
+    def finish(self) -> str:
+        """The text still held back (incomplete UTF-8, a possible stop's prefix); nothing after a stop."""
+        if self.detok is None or self.stopped:
+            return ""
+        delta = self.detok.flush()
+        if self.stops is not None:
+            piece, hit = self.stops.push(delta)
+            delta = piece if hit else piece + self.stops.flush()
+            self.stopped = hit
+        self.pieces.append(delta)
+        return delta
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def text_stream(text: TokenText | None, stop: tuple[str, ...] = (), include_stop: bool = False) -> TextStream:
+    if text is None:
+        return TextStream(None)
+    return TextStream(text.stream(), StopStrings(tuple(stop), include_stop) if stop else None)
