@@ -1,7 +1,9 @@
-"""VerifierActor: the target, the scheduler and the step loop; the draft is reached over the step channel.
+"""VerifierActor: the target, the scheduler and the step loop; the draft is in this actor (co-located) or reached
+over the step channel.
 
-Control (add, abort, outputs, stats, drain) arrives as Ray calls on a threaded actor; the loop runs in its own
-thread and never waits for the gateway: outputs go to an outbox that `wait_outputs` long-polls.
+The step loop runs in its own thread and owns the request stream to the gateway (actors/request_stream.py): it
+takes adds and aborts between steps and writes one frame of outputs per step, so no Ray call sits on the request
+path. Ray calls are the control plane: bring-up, health, stats, shutdown.
 """
 
 from __future__ import annotations
@@ -9,12 +11,11 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from dataclasses import asdict
 
 import torch
 
 from dspark_serve.engine.llm import LLM
-from dspark_serve.engine.request import RequestOutput
+from dspark_serve.engine.request import StepOutput
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.engine.spec_config import SpeculativeConfig
 from dspark_serve.models.draft_config import DraftConfig
@@ -22,6 +23,9 @@ from dspark_serve.models.draft_config import DraftConfig
 from .channel import VerifierEnd, free_port
 from .placement_env import actor_device, node_ip, set_cpu_threads, torch_dtype
 from .remote_draft import RemoteDraft
+from .request_stream import StreamServer
+
+IDLE_POLL_S = 0.05  # how often an idle loop looks at its stop flag (a frame wakes it at once)
 
 
 class VerifierActor:
@@ -35,8 +39,7 @@ class VerifierActor:
         if self.draft_cfg is not None:
             self.spec.validate(block_limit=self.draft_cfg.num_speculative_tokens)
         self.llm: LLM | None = None
-        self._outbox: list[dict] = []
-        self._cv = threading.Condition()
+        self.stream: StreamServer | None = None
         self._stop = False
         self._draining = False
         self._error: str | None = None
@@ -72,79 +75,80 @@ class VerifierActor:
                        capture_layers=self.draft_cfg.target_layer_ids if remote is not None else ())
 
     def start(self) -> bool:
+        self.stream = StreamServer(self.cfg.channel_host or node_ip())
         self._thread = threading.Thread(target=self._loop, name="dspark-step-loop", daemon=True)
         self._thread.start()
         return True
 
+    def stream_address(self) -> tuple[str, int, bytes]:
+        """The request stream's (host, port, secret), for the gateway."""
+        return (*self.stream.address, self.stream.secret)
+
     def _loop(self) -> None:
         set_cpu_threads(self.device, self.cfg.cpu_threads)  # OpenMP's thread count is per calling thread
-        while not self._stop:
-            with self._cv:
-                while not self._stop and not self.llm.has_unfinished():
-                    self._heartbeat = time.monotonic()
-                    self._cv.wait(0.05)
-            if self._stop:
-                break
+        try:
+            while not self._stop:
+                busy = self.llm.has_unfinished()
+                frames, lost = self.stream.poll(0.0 if busy else IDLE_POLL_S)
+                if lost:  # the gateway that owned the open requests is gone
+                    for rid in list(self.llm.scheduler.live_ids()):
+                        self.llm.abort(rid)
+                for frame in frames:
+                    self._apply(frame)
+                self._heartbeat = time.monotonic()
+                if self.llm.has_unfinished():
+                    self._publish(self.llm.scheduler.step())
+        except Exception:  # the loop must not die silently: health reports it, the gateway fails every stream
+            self._error = traceback.format_exc()
+            self.stream.send(("fatal", "the step loop failed"))
+        finally:
+            self._stop = True
+            if isinstance(self.llm.draft, RemoteDraft):
+                self.llm.draft.end.stop()
+                self.llm.draft.end.close()
+            self.stream.close()
+
+    def _apply(self, frame: tuple) -> None:
+        if frame[0] == "add":
+            _, rid, prompt_ids, params, n, threshold = frame
+            if self._draining:
+                self.stream.send(("rejected", rid, "draining: not accepting new requests"))
+                return
             try:
-                outs = self.llm.step()
-            except Exception:  # the loop must not die silently: health reports it
-                self._error = traceback.format_exc()
-                self._stop = True
-                break
-            self._heartbeat = time.monotonic()
-            self._publish(outs)
-        if self.llm.draft is not None and isinstance(self.llm.draft, RemoteDraft):
-            self.llm.draft.end.stop()
-            self.llm.draft.end.close()
+                req = self.llm.new_request(prompt_ids, SamplingParams(**params), request_id=rid,
+                                           num_speculative_tokens=n, confidence_threshold=threshold)
+                self.llm.scheduler.add(req)
+            except (ValueError, TypeError) as e:
+                self.stream.send(("rejected", rid, str(e)))
+        elif frame[0] == "abort":
+            for rid in frame[1]:
+                self.llm.abort(rid)
 
-    def _publish(self, outs: list[RequestOutput]) -> None:
-        with self._cv:
-            for o in outs:
-                self._outbox.append(asdict(o))
-                self._counters["tokens_generated"] += len(o.new_token_ids)
-                if o.finished:
-                    self._counters["requests_finished"] += 1
-                    self._counters["steps"] += o.stats["steps"]
-                    self._counters["accepted"] += o.stats["accepted"]
-            self._cv.notify_all()
-
-    def add_request(self, request_id: str, prompt: str | list[int], params: dict, num_speculative_tokens: int | None,
-                    confidence_threshold: float | None) -> int:
-        """Raises ValueError naming the field for bad input; returns the prompt length in tokens."""
-        if self._draining:
-            raise RuntimeError("draining: not accepting new requests")
-        sp = SamplingParams(**params)
-        ids = self.llm.encode(prompt)
-        self.llm.add_request(ids, sp, request_id=request_id, num_speculative_tokens=num_speculative_tokens,
-                             confidence_threshold=confidence_threshold)
-        with self._cv:
-            self._cv.notify_all()
-        return len(ids)
-
-    def abort(self, request_ids: list[str]) -> list[str]:
-        """Frees the blocks at once (between steps) and streams a final "abort" output for each."""
-        aborted = [r for r in request_ids if self.llm.abort(r)]
-        with self._cv:
-            self._cv.notify_all()
-        return aborted
-
-    def wait_outputs(self, timeout_s: float = 0.1) -> list[dict]:
-        with self._cv:
-            if not self._outbox:
-                self._cv.wait(timeout_s)
-            out, self._outbox = self._outbox, []
-            return out
+    def _publish(self, outs: list[StepOutput]) -> None:
+        c = self._counters
+        for o in outs:
+            c["tokens_generated"] += len(o.new_token_ids)
+            if o.stats is not None:
+                c["requests_finished"] += 1
+                c["steps"] += o.stats["steps"]
+                c["accepted"] += o.stats["accepted"]
+        if outs:
+            self.stream.send(("step", [tuple(o) for o in outs]))
 
     def drain(self) -> bool:
         self._draining = True
         return True
 
     def health(self, stall_s: float = 30.0) -> dict:
-        """ok is False when the loop died or has not completed a step for stall_s seconds."""
+        """ok is False when the loop died or has not come round for stall_s seconds (a step that long, or hung)."""
         age = time.monotonic() - self._heartbeat
         alive = self._thread is not None and self._thread.is_alive()
         return {"ok": alive and self._error is None and age < stall_s, "error": self._error,
                 "heartbeat_age_s": age}
+
+    def tokenizer_json(self) -> str | None:
+        """The target's tokenizer, for the gateway (which tokenizes and detokenizes off the step loop)."""
+        return self.llm.tokenizer.to_str() if self.llm.tokenizer is not None else None
 
     def stats(self) -> dict:
         s = self.llm.scheduler
@@ -168,8 +172,6 @@ class VerifierActor:
 
     def shutdown(self) -> bool:
         self._stop = True
-        with self._cv:
-            self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
         return True

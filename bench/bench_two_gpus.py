@@ -36,18 +36,17 @@ KV = dict(max_model_len=1024, num_kv_blocks=256, max_num_seqs=4)
 def run_pair(cfg: PairConfig, prompts: list[list[int]], params: dict) -> dict:
     """Prompts one after another through the verifier actor; -> tok/s, steps, coordination ms per step."""
     pair = create_pair(cfg)
+    client = pair.stream_client()
     try:
         def one(i: int, prompt: list[int]) -> dict:
-            ray.get(pair.verifier.add_request.remote(f"r{i}", prompt, params, None, None))
-            while True:
-                for out in ray.get(pair.verifier.wait_outputs.remote(1.0)):
-                    if out["request_id"] == f"r{i}" and out["finished"]:
-                        return out
+            tokens, _, stats = client.run({f"r{i}": (prompt, params)})[f"r{i}"]
+            return {"token_ids": tokens, "stats": stats}
         one(-1, prompts[0])  # warm-up: captures the graphs the timed prompts meet
         t0 = time.perf_counter()
         outs = [one(i, p) for i, p in enumerate(prompts)]
         dt = time.perf_counter() - t0
     finally:
+        client.close()
         pair.shutdown()
     return summary(outs, dt)
 

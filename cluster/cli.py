@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
                       target_resources=_resources(args.target_resources, "--target-resources"),
                       draft_resources=_resources(args.draft_resources, "--draft-resources"))
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
-                            drain_timeout_s=args.drain_timeout)
+                            drain_timeout_s=args.drain_timeout, max_prompt_chars=args.max_prompt_chars)
     try:
         pair.validate()
         if args.speculative_config:
@@ -200,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--speculative-config",
                       help="JSON (vLLM names); default: top-64 drafting, plus a confidence threshold of 0.3 in fp32")
     demo.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the service")
-    demo.add_argument("--colocate", action="store_true", help="serve with the draft inside the verifier actor")
+    demo.add_argument("--colocate", action=argparse.BooleanOptionalAction,
+                      help="the draft inside the verifier actor, or (--no-colocate) in its own actor; default: "
+                           "co-located when both share one device")
     demo.add_argument("--tiny", action="store_true",
                       help="in-process, on a tiny constructed pair (random weights; no download, seconds on CPU)")
     demo.add_argument("--seed", type=int, default=0, help="--tiny: the pair's seed")
@@ -238,8 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     s.add_argument("--placement", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     s.add_argument("--channel-host", help="address the step channel binds (default: the verifier's node IP)")
-    s.add_argument("--colocate", action="store_true",
-                   help="run the draft inside the verifier actor, on its device (no second actor, no step channel)")
+    s.add_argument("--colocate", action=argparse.BooleanOptionalAction,
+                   help="the draft inside the verifier actor, on its device (no step channel), or (--no-colocate) in "
+                        "its own actor; default: co-located when both would share one device (one GPU, or CPUs "
+                        "without SPREAD placement or custom resources), separate actors on two GPUs")
     s.add_argument("--target-resources", help='custom Ray resources for the verifier, JSON, e.g. {"target_gpu": 1}')
     s.add_argument("--draft-resources", help='custom Ray resources for the draft, JSON, e.g. {"draft_gpu": 1}')
     s.add_argument("--block-size", type=int, default=16)
@@ -248,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=4096)
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
     s.add_argument("--max-queue", type=int, default=256)
+    s.add_argument("--max-prompt-chars", type=int,
+                   help="longer text prompts are refused before tokenizing (default: 32 x --max-model-len)")
     s.add_argument("--drain-timeout", type=float, default=30.0)
     s.set_defaults(func=_serve)
     b = sub.add_parser("bench", help="load generator against a running server: tokens/s, TTFT, TPOT, tau")

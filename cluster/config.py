@@ -20,7 +20,8 @@ class PairConfig:
     max_model_len: int = 4096
     enforce_eager: bool = False  # vLLM's name: True turns off the CUDA graphs (static-shape steps) on GPUs
     placement: str = "PACK"  # PACK: one node if possible; SPREAD: draft and verifier on different nodes
-    colocate: bool = False  # the draft inside the verifier actor (one device, no step channel, drafting ahead)
+    colocate: bool | None = None  # the draft inside the verifier actor (no step channel, drafting ahead); None:
+    # when the two would share one device (one GPU, or one node's CPUs), see pair.resolve_colocate
     channel_host: str | None = None  # address the verifier's step channel binds; None: its node IP
     num_cpus: float = 1.0  # per actor
     cpu_threads: int = 0  # torch threads of each CPU actor; 0: every CPU of its node (actors take turns in a step)
@@ -44,4 +45,5 @@ class GatewayConfig:
     port: int = 50051  # 0: any free port
     max_queue: int = 256  # queued + running requests before RESOURCE_EXHAUSTED
     max_request_bytes: int = 4 << 20  # larger Generate requests get INVALID_ARGUMENT
+    max_prompt_chars: int | None = None  # a longer text prompt is refused before tokenizing; None: 32 x max_model_len
     drain_timeout_s: float = 30.0

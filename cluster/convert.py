@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dspark_serve.engine.detokenize import TextStream
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
@@ -32,9 +33,14 @@ def prompt(req: pb.GenerateRequest, vocab_size: int, max_model_len: int) -> str 
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token_ids must be in [0, {vocab_size}), got {bad[:5]}")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens; the maximum is {max_model_len - 1}")
+    check_prompt_length(len(ids), max_model_len)
     return ids
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_tokens} tokens; the maximum is {max_model_len - 1} (max_model_len "
+                         f"{max_model_len})")
 
 
 def speculative(req: pb.GenerateRequest, max_spec: int) -> tuple[int | None, float | None]:
@@ -60,12 +66,13 @@ def spec_stats(stats: dict) -> pb.SpecStats:
         draft_ms=stats["draft_ms"], verify_ms=stats["verify_ms"], transfer_ms=stats.get("transfer_ms", 0.0))
 
 
-def chunk(out: dict, text_delta: str) -> pb.GenerateResponse:
-    return pb.GenerateResponse(request_id=out["request_id"], chunk=pb.GenerateChunk(
-        token_ids=out["new_token_ids"], text=text_delta, num_output_tokens=len(out["token_ids"])))
+def chunk(request_id: str, token_ids: list[int], text_delta: str, num_output_tokens: int) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=request_id, chunk=pb.GenerateChunk(
+        token_ids=token_ids, text=text_delta, num_output_tokens=num_output_tokens))
 
 
-def complete(out: dict) -> pb.GenerateResponse:
-    return pb.GenerateResponse(request_id=out["request_id"], complete=pb.GenerateComplete(
-        output_ids=out["token_ids"], text=out["text"], finish_reason=FINISH[out["finish_reason"]],
-        num_prompt_tokens=len(out["prompt_ids"]), stats=spec_stats(out["stats"])))
+def complete(request_id: str, text: TextStream, finish_reason: str, num_prompt_tokens: int,
+             stats: dict) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=request_id, complete=pb.GenerateComplete(
+        output_ids=text.token_ids, text=text.text, finish_reason=FINISH[finish_reason],
+        num_prompt_tokens=num_prompt_tokens, stats=spec_stats(stats)))

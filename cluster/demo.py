@@ -30,7 +30,7 @@ READY = re.compile(r"serving dspark.v1.Generation on (\S+:\d+)")
 # verified, 1.0x with this threshold). All draft over the top 64 base-logit candidates: held-out code, greedy,
 # CPU: tau 2.78 against 2.79 over the full vocabulary, and an H200 step 3.03 ms against 4.08 ms.
 GPU_SPEC_CONFIG = '{"dspark_draft_topk": 64}'
-CPU_SPEC_CONFIG = '{"dspark_confidence_threshold": 0.3, "dspark_draft_topk": 64}'
+CPU_SPEC_CONFIG = '{"dspark_survival_threshold": 0.3, "dspark_draft_topk": 64}'
 
 
 def cpu_fp32_spec_config(draft: Path) -> str:
@@ -52,12 +52,12 @@ def cpu_dtype() -> str:
 
 
 def _start_server(target: Path, draft: Path, cuda: bool, spec_config: str | None,
-                  timeout_s: float, colocate: bool = False,
+                  timeout_s: float, colocate: bool | None = None,
                   dtype: str | None = None) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(target), "--draft", str(draft),
            "--host", "127.0.0.1", "--port", "0", "--max-model-len", "2048", "--num-kv-blocks", "1024"]
     cmd += ["--speculative-config", spec_config] if spec_config else []
-    cmd += ["--colocate"] if colocate else []
+    cmd += [] if colocate is None else ["--colocate" if colocate else "--no-colocate"]
     cmd += [] if cuda else ["--device", "cpu"]
     cmd += ["--dtype", dtype] if dtype else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -114,7 +114,8 @@ def run_demo(args: argparse.Namespace) -> int:
     dtype = args.dtype or (None if cuda else cpu_dtype())
     cpu_fp32 = not cuda and dtype == "float32"
     spec_config = args.speculative_config or (cpu_fp32_spec_config(draft) if cpu_fp32 else GPU_SPEC_CONFIG)
-    actors = "the verifier actor (with the draft inside)" if args.colocate else "the verifier and draft actors"
+    actors = {True: "the verifier actor (with the draft inside)", False: "the verifier and draft actors",
+              None: "the model pair"}[args.colocate]
     print(f"target {target}\ndraft  {draft}\ndtype {dtype or 'bfloat16 (the checkpoint)'}\n"
           f"speculative_config {spec_config}\nstarting Ray, {actors} and the gateway ...", flush=True)
     try:

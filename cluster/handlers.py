@@ -1,18 +1,24 @@
-"""The gateway's logic: admit, stream each verify step back, cancel, bound the queue, drain. No grpc, no torch."""
+"""The gateway's logic: validate and tokenize off the event loop, admit, stream each step's tokens and text back,
+cancel, bound the queue, drain. Talks to the step loop over the request stream; no grpc, no torch."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import secrets
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
+from dspark_serve.actors.request_stream import StreamClient
+from dspark_serve.engine.detokenize import TextStream, TokenText, text_stream
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from . import convert
-
+from .config import GatewayConfig
 
 PAIR_TIMEOUT_S = 10.0  # a control call the pair does not answer in this long means it is gone
+UNAVAILABLE = "the model pair is unavailable; the request did not complete"
 
 
 class GatewayError(Exception):
@@ -26,55 +32,94 @@ class GatewayError(Exception):
         return self.message
 
 
-def _cause(e: BaseException) -> BaseException:
-    """The user-level exception inside a Ray task error."""
-    return getattr(e, "cause", None) or e
+@dataclass
+class _Live:
+    """One open request: the records the step loop sent that its stream has not taken yet, and its text."""
+
+    text: TextStream
+    num_prompt_tokens: int
+    pending: list = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_sent: bool = False
 
 
 class GatewayCore:
-    """Owns client requests and their committed tokens; the step loop itself runs in the verifier actor."""
+    """Owns client requests: their tokenization, committed tokens and text; the step loop runs in the verifier."""
 
-    def __init__(self, verifier: Any, model_info: dict, max_queue: int, max_request_bytes: int) -> None:
-        self.verifier, self.info = verifier, model_info
-        self.max_queue, self.max_request_bytes = max_queue, max_request_bytes
-        self.streams: dict[str, asyncio.Queue] = {}
-        self.committed: dict[str, list[int]] = {}  # prompt + output ids of every live request
+    def __init__(self, verifier: Any, model_info: dict, cfg: GatewayConfig) -> None:
+        self.verifier, self.info, self.cfg = verifier, model_info, cfg
+        self.live: dict[str, _Live] = {}
         self.draining = False
-        self._ids = itertools.count()
+        self.token_text: TokenText | None = None
+        self.conn: StreamClient | None = None
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dspark-tokenize")
         self._pump: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._pump = asyncio.get_running_loop().create_task(self._pump_outputs())
+        loop = asyncio.get_running_loop()
+        tokenizer_json = await asyncio.wait_for(self.verifier.tokenizer_json.remote(), PAIR_TIMEOUT_S)
+        if tokenizer_json is not None:
+            self.token_text = await loop.run_in_executor(self._pool, _token_text, tokenizer_json)
+        host, port, secret = await asyncio.wait_for(self.verifier.stream_address.remote(), PAIR_TIMEOUT_S)
+        self.conn = await StreamClient.connect(host, port, secret)
+        self._pump = loop.create_task(self._pump_frames())
 
     async def close(self) -> None:
         if self._pump is not None:
             self._pump.cancel()
+        if self.conn is not None:
+            self.conn.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _pump_outputs(self) -> None:
-        """One long-poll at a time collects every request's new steps; the loop never waits for it."""
-        while True:
-            try:
-                outs = await asyncio.wait_for(self.verifier.wait_outputs.remote(0.05), PAIR_TIMEOUT_S)
-            except Exception as e:  # noqa: BLE001 - the pair is gone or stuck: fail the live streams, keep polling
-                for queue in self.streams.values():
-                    queue.put_nowait(GatewayError("UNAVAILABLE", f"the model pair is unavailable: {_cause(e)}"))
-                await asyncio.sleep(0.5)
-                continue
-            for out in outs:
-                queue = self.streams.get(out["request_id"])
-                if queue is not None:
-                    queue.put_nowait(out)
+    async def _pump_frames(self) -> None:
+        """Route every frame of the step loop to its requests; a lost stream fails them all at once."""
+        try:
+            while True:
+                frame = await self.conn.recv()
+                if frame[0] == "step":
+                    for rec in frame[1]:
+                        self._deliver(rec[0], rec)
+                elif frame[0] == "rejected":
+                    self._deliver(frame[1], GatewayError("INVALID_ARGUMENT", frame[2]))
+                elif frame[0] == "fatal":
+                    self._fail_all("the model pair failed; the request did not complete")
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            self._fail_all(UNAVAILABLE)
+
+    def _deliver(self, rid: str, item: Any) -> None:
+        live = self.live.get(rid)
+        if live is not None:
+            live.pending.append(item)
+            live.wake.set()
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self.live):
+            self._deliver(rid, GatewayError("UNAVAILABLE", message))
 
     def _validate(self, req: pb.GenerateRequest) -> tuple[Any, dict, int | None, float | None]:
-        if req.ByteSize() > self.max_request_bytes:
-            raise ValueError(f"request is {req.ByteSize()} bytes; the limit is {self.max_request_bytes}")
+        if req.ByteSize() > self.cfg.max_request_bytes:
+            raise ValueError(f"request is {req.ByteSize()} bytes; the limit is {self.cfg.max_request_bytes}")
         info = self.info
         prompt = convert.prompt(req, info["vocab_size"], info["max_model_len"])
-        if isinstance(prompt, str) and not info["has_tokenizer"]:
-            raise ValueError("text input needs a tokenizer next to the target; send token_ids")
+        if isinstance(prompt, str):
+            if self.token_text is None:
+                raise ValueError("text input needs a tokenizer next to the target; send token_ids")
+            limit = self.cfg.max_prompt_chars or 32 * info["max_model_len"]
+            if len(prompt) > limit:
+                raise ValueError(f"text is {len(prompt)} characters; the limit is {limit}")
         params = convert.sampling_params(req.sampling, info["max_model_len"])
+        if params["stop"] and self.token_text is None:
+            raise ValueError("sampling.stop needs a tokenizer next to the target; use stop_token_ids")
         n, threshold = convert.speculative(req, info["num_speculative_tokens"])
         return prompt, params, n, threshold
+
+    async def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Text -> ids in a worker thread (the tokenizer releases the GIL), so a large text stalls no stream."""
+        if not isinstance(prompt, str):
+            return prompt
+        ids = await asyncio.get_running_loop().run_in_executor(self._pool, _encode, self.token_text, prompt)
+        convert.check_prompt_length(len(ids), self.info["max_model_len"])
+        return ids
 
     async def generate(self, req: pb.GenerateRequest, deadline_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
         if self.draining:
@@ -83,51 +128,78 @@ class GatewayCore:
             prompt, params, n, threshold = self._validate(req)
         except ValueError as e:
             raise GatewayError("INVALID_ARGUMENT", str(e)) from None
-        if len(self.streams) >= self.max_queue:
-            raise GatewayError("RESOURCE_EXHAUSTED", f"queue full ({self.max_queue} requests); retry later")
-        rid = req.request_id or f"gw-{next(self._ids)}"
-        if rid in self.streams:
+        if len(self.live) >= self.cfg.max_queue:
+            raise GatewayError("RESOURCE_EXHAUSTED", f"queue full ({self.cfg.max_queue} requests); retry later")
+        rid = req.request_id or secrets.token_hex(16)
+        if rid in self.live:
             raise GatewayError("ALREADY_EXISTS", f"request_id {rid!r} is already running")
-        queue: asyncio.Queue = asyncio.Queue()
-        self.streams[rid] = queue
+        if self.conn is None or self.conn.writer.is_closing():
+            raise GatewayError("UNAVAILABLE", UNAVAILABLE)
+        loop = asyncio.get_running_loop()
+        end = None if deadline_s is None else loop.time() + deadline_s
+        live = self.live[rid] = _Live(text_stream(self.token_text, params.pop("stop")), 0)
         finished = False
         try:
             try:
-                await self.verifier.add_request.remote(rid, prompt, params, n, threshold)
-            except Exception as e:  # noqa: BLE001 - map the actor's error to a status
-                cause = _cause(e)
-                if isinstance(cause, ValueError):
-                    raise GatewayError("INVALID_ARGUMENT", str(cause)) from None
-                raise GatewayError("UNAVAILABLE", f"the model pair is unavailable: {cause}") from None
-            text = ""
-            loop = asyncio.get_running_loop()
-            end = None if deadline_s is None else loop.time() + deadline_s
+                ids = await asyncio.wait_for(self._tokenize(prompt), None if end is None else end - loop.time())
+            except ValueError as e:
+                raise GatewayError("INVALID_ARGUMENT", str(e)) from None
+            except asyncio.TimeoutError:
+                raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded while tokenizing the prompt") from None
+            live.num_prompt_tokens = len(ids)
+            self.conn.send(("add", rid, ids, params, n, threshold))
             while not finished:
-                timeout = None if end is None else max(0.0, end - loop.time())
                 try:
-                    out = await asyncio.wait_for(queue.get(), timeout)
+                    await asyncio.wait_for(live.wake.wait(), None if end is None else max(0.0, end - loop.time()))
                 except asyncio.TimeoutError:
                     raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded; the request was aborted") from None
-                if isinstance(out, GatewayError):
-                    raise out
-                self.committed[rid] = out["prompt_ids"] + out["token_ids"]
-                finished = out["finished"]
-                delta = out["text"][len(text):] if out["text"].startswith(text) else out["text"]
-                text = out["text"]
-                yield convert.chunk(out, delta)
-                if finished:
-                    yield convert.complete(out)
+                items, live.pending = live.pending, []
+                live.wake.clear()
+                response, final = self._take(rid, live, items)
+                if response is not None:
+                    yield response
+                if final is not None:
+                    finished = True
+                    yield final
         finally:
-            self.streams.pop(rid, None)
-            self.committed.pop(rid, None)
-            if not finished:  # client gone, deadline, or error: free the sequence's blocks
-                self.verifier.abort.remote([rid])
+            self.live.pop(rid, None)
+            if not finished and self.conn is not None:  # client gone, deadline, or error: free its blocks
+                self.conn.send(("abort", [rid]))
+
+    def _take(self, rid: str, live: _Live, items: list) -> tuple[pb.GenerateResponse | None,
+                                                                   pb.GenerateResponse | None]:
+        """Every record that arrived since the stream last looked, as one chunk (a slow client gets fewer,
+        larger chunks), and the final message if the request ended."""
+        ids, text, final = [], [], None
+        for item in items:
+            if isinstance(item, GatewayError):
+                raise item
+            _, new, reason, stats = item
+            if not live.text.stopped:
+                kept, delta = live.text.push(new)
+                ids += kept
+                text.append(delta)
+                if live.text.stopped and reason is None and not live.stop_sent:
+                    live.stop_sent = True  # a stop string: the step loop ends it; its stats come with the end
+                    self.conn.send(("abort", [rid]))
+            if reason is not None:
+                if not live.text.stopped:
+                    text.append(live.text.finish())
+                final = convert.complete(rid, live.text, "stop" if live.text.stopped else reason,
+                                         live.num_prompt_tokens, stats)
+                break
+        delta = "".join(text)
+        chunk = convert.chunk(rid, ids, delta, len(live.text.token_ids)) if ids or delta else None
+        return chunk, final
 
     async def abort(self, ids: list[str]) -> list[str]:
-        return await self.verifier.abort.remote(list(ids))
+        known = [rid for rid in dict.fromkeys(ids) if rid in self.live]
+        if known and self.conn is not None:
+            self.conn.send(("abort", known))
+        return known
 
     async def server_stats(self) -> pb.ServerStats:
-        s = await self.verifier.stats.remote()
+        s = await asyncio.wait_for(self.verifier.stats.remote(), PAIR_TIMEOUT_S)
         s["draining"] = s["draining"] or self.draining
         return pb.ServerStats(**s)
 
@@ -135,15 +207,25 @@ class GatewayCore:
         return pb.ModelInfo(**self.info)
 
     async def drain(self, timeout_s: float) -> None:
-        """Stop admitting, let running requests finish (up to timeout_s), then abort the rest."""
+        """Stop admitting, let running requests finish (up to timeout_s), then end the rest: each gets a final
+        message with finish_reason ABORTED before the server stops."""
         self.draining = True
-        try:
-            await asyncio.wait_for(self.verifier.drain.remote(), PAIR_TIMEOUT_S)
-            loop = asyncio.get_running_loop()
-            end = loop.time() + timeout_s
-            while self.streams and loop.time() < end:
-                await asyncio.sleep(0.05)
-            if self.streams:
-                await asyncio.wait_for(self.verifier.abort.remote(list(self.streams)), PAIR_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - a pair that is already gone has nothing left to drain
-            pass
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while self.live and loop.time() < end:
+            await asyncio.sleep(0.05)
+        if self.live and self.conn is not None:
+            self.conn.send(("abort", list(self.live)))
+            end = loop.time() + PAIR_TIMEOUT_S
+            while self.live and loop.time() < end:
+                await asyncio.sleep(0.02)
+
+
+def _token_text(tokenizer_json: str) -> TokenText:
+    from tokenizers import Tokenizer
+
+    return TokenText(Tokenizer.from_str(tokenizer_json))
+
+
+def _encode(text: TokenText, prompt: str) -> list[int]:
+    return text.tokenizer.encode_batch([prompt])[0].ids  # encode_batch releases the GIL; encode does not

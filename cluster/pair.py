@@ -15,6 +15,14 @@ class Pair:
     placement_group: Any
     backend: str
 
+    def stream_client(self):
+        """A blocking request-stream client (scripts and tests that drive the pair without a gateway)."""
+        import ray
+
+        from dspark_serve.actors.request_stream import SyncStreamClient
+
+        return SyncStreamClient(*ray.get(self.verifier.stream_address.remote(), timeout=60))
+
     def shutdown(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
@@ -50,6 +58,17 @@ def plan_devices(device: str, cluster_gpus: float, has_draft: bool) -> DevicePla
     return DevicePlan("cuda", 1 / actors, "gloo")
 
 
+def resolve_colocate(cfg: PairConfig, plan: DevicePlan) -> bool:
+    """An explicit choice stands. Otherwise co-locate when draft and verifier would share one device: a GPU each
+    only splits them, and on CPUs only placement across nodes (SPREAD or custom resources) does. Sharing a
+    device, separate actors just take turns on it and add the channel to every step."""
+    if cfg.colocate is not None or cfg.draft is None:
+        return bool(cfg.colocate)
+    if plan.device == "cuda":
+        return plan.gpus_per_actor < 1
+    return cfg.placement not in ("SPREAD", "STRICT_SPREAD") and not cfg.target_resources and not cfg.draft_resources
+
+
 def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
     """Place the verifier (bundle 0) and the draft (bundle 1), connect their channel, start the step loop."""
     import ray
@@ -60,9 +79,11 @@ def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
     from dspark_serve.actors.verifier_actor import VerifierActor
 
     cfg.validate()
-    split = cfg.draft is not None and not cfg.colocate  # a draft actor of its own
-    plan = plan_devices(cfg.device, ray.cluster_resources().get("GPU", 0), split)
-    cfg = replace(cfg, device=plan.device)
+    gpus = ray.cluster_resources().get("GPU", 0)
+    colocate = resolve_colocate(cfg, plan_devices(cfg.device, gpus, cfg.draft is not None))
+    split = cfg.draft is not None and not colocate  # a draft actor of its own
+    plan = plan_devices(cfg.device, gpus, split)
+    cfg = replace(cfg, device=plan.device, colocate=colocate)
     gpu = {"GPU": plan.gpus_per_actor} if plan.gpus_per_actor else {}
     bundle = lambda extra: {"CPU": cfg.num_cpus, **gpu, **dict(extra)}  # noqa: E731
     bundles = [bundle(cfg.target_resources)] + ([bundle(cfg.draft_resources)] if split else [])

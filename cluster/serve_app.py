@@ -15,7 +15,7 @@ from ray import serve
 
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
-from .config import PairConfig
+from .config import GatewayConfig, PairConfig
 from .handlers import GatewayCore, GatewayError
 
 BUILTIN_TINY = "builtin:tiny"  # a tiny constructed pair written at startup (laptop / CI demo)
@@ -33,7 +33,7 @@ class DSpark:
                  max_num_seqs: int = 64, max_model_len: int = 4096, placement: str = "PACK",
                  target_resources: dict[str, float] | None = None, draft_resources: dict[str, float] | None = None,
                  max_queue: int = 256, max_request_bytes: int = 4 << 20, channel_host: str | None = None,
-                 num_cpus: float = 1.0, colocate: bool = False, cpu_threads: int = 0) -> None:
+                 num_cpus: float = 1.0, colocate: bool | None = None, cpu_threads: int = 0) -> None:
         import json
 
         import ray
@@ -53,7 +53,8 @@ class DSpark:
             target_resources=_resources(target_resources),
             draft_resources=_resources(draft_resources)))
         info = ray.get(self.pair.verifier.model_info.remote())
-        self.core = GatewayCore(self.pair.verifier, info, max_queue, max_request_bytes)
+        self.core = GatewayCore(self.pair.verifier, info, GatewayConfig(max_queue=max_queue,
+                                                                        max_request_bytes=max_request_bytes))
         self._started = False
 
     async def _ready(self) -> None:

@@ -30,7 +30,7 @@ class GatewayServer:
 
     async def start(self) -> int:
         info = await self.verifier.model_info.remote()
-        self.core = GatewayCore(self.verifier, info, self.cfg.max_queue, self.cfg.max_request_bytes)
+        self.core = GatewayCore(self.verifier, info, self.cfg)
         limit = max(64 << 20, 2 * self.cfg.max_request_bytes)  # our own size check answers INVALID_ARGUMENT
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                                ("grpc.max_send_message_length", limit)])
@@ -40,8 +40,8 @@ class GatewayServer:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
         self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
-        await self.server.start()
         await self.core.start()
+        await self.server.start()
         await self.health.set(True)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.health.watch_pair(self.verifier, lambda: self.core.draining)))

@@ -113,6 +113,19 @@ class LLM:
                     request_id: str | None = None, num_speculative_tokens: int | None = None,
                     confidence_threshold: float | None = None) -> str:
         params = params or SamplingParams()
+        if params.stop and self.token_text is None:
+            raise ValueError("stop strings need a tokenizer in the target directory; use stop_token_ids")
+        req = self.new_request(prompt, params, request_id=request_id, num_speculative_tokens=num_speculative_tokens,
+                               confidence_threshold=confidence_threshold)
+        self.scheduler.add(req)
+        self._streams[req.request_id] = (req.prompt_ids, text_stream(self.token_text, params.stop,
+                                                                     params.include_stop_str_in_output))
+        return req.request_id
+
+    def new_request(self, prompt: str | list[int], params: SamplingParams, *, request_id: str | None = None,
+                    num_speculative_tokens: int | None = None, confidence_threshold: float | None = None) -> Request:
+        """A validated Request (ValueError naming the field); scheduler.add queues it. Stop strings are left to
+        whoever processes the outputs."""
         params.validate(max_tokens_limit=self.max_model_len)
         ids = self.encode(prompt)
         vocab = self.target.vocab_size
@@ -128,13 +141,9 @@ class LLM:
             raise ValueError(f"num_speculative_tokens must be in [0, {self.max_speculative_tokens}], got {n}")
         if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
-        if params.stop and self.token_text is None:
-            raise ValueError("stop strings need a tokenizer in the target directory; use stop_token_ids")
         seed = params.seed if params.seed is not None else secrets.randbits(62)  # fresh per request and process
         rid = request_id or f"req-{next(self._ids)}"
-        self.scheduler.add(Request(rid, ids, params, seed, n, confidence_threshold=confidence_threshold))
-        self._streams[rid] = (ids, text_stream(self.token_text, params.stop, params.include_stop_str_in_output))
-        return rid
+        return Request(rid, ids, params, seed, n, confidence_threshold=confidence_threshold)
 
     def abort(self, request_id: str) -> bool:
         """End the request at the next step, whose outputs carry its final one (finish_reason "abort"); False

@@ -67,9 +67,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._adds or self._aborts)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._live)
+    def live_ids(self) -> list[str]:
+        """Ids queued or running (added and not yet finished)."""
+        with self._inbox_lock:
+            return list(self._live)
 
     def _apply_inbox(self) -> list[StepOutput]:
         with self._inbox_lock:

@@ -8,6 +8,7 @@ from engine_pairs import build_pair
 
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.reference import greedy_generate
+from dspark_serve.engine.request import StepOutput
 from dspark_serve.engine.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7]
@@ -128,3 +129,35 @@ def test_preemption_under_a_small_cache_keeps_outputs_exact(pair):
     assert llm.scheduler.num_preemptions > 0
     assert [finals[f"req-{i}"].token_ids for i in range(6)] == refs
     assert llm.target.allocator.num_free == 24 and llm.draft.allocator.num_free == 24
+
+
+def test_step_outputs_carry_only_new_tokens(pair, reference):
+    """The record a step emits per request: its new tokens; finish reason and stats only on the last one."""
+    llm = _llm(pair)
+    llm.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=40))
+    records = []
+    while llm.has_unfinished():
+        records += llm.scheduler.step()
+    assert all(type(r) is StepOutput and len(r) == 4 for r in records)
+    assert [t for r in records for t in r.new_token_ids] == reference
+    assert all(1 <= len(r.new_token_ids) <= llm.max_speculative_tokens + 1 for r in records)
+    assert all(r.finish_reason is None and r.stats is None for r in records[:-1])
+    assert records[-1].finish_reason == "length" and records[-1].stats["steps"] == len(records) - 1
+
+
+def test_requests_ending_at_their_first_token_leave_no_blocks_behind(pair):
+    """max_tokens = 1 (or a first-token stop) while others decode: the scheduler must not grow blocks for a
+    request it has just finished."""
+    llm = _llm(pair)
+    total = llm.target.allocator.num_blocks
+    long = llm.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    llm.step()
+    for i in range(10):
+        llm.add_request([9] * (30 + i), SamplingParams(temperature=0, max_tokens=1))
+        llm.step()
+    first = llm.generate([[11, 12]], SamplingParams(temperature=0, max_tokens=8))[0].token_ids[0]
+    llm.add_request([11, 12], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=(first,)))
+    while llm.has_unfinished():
+        llm.step()
+    assert long not in llm.scheduler.live_ids()
+    assert llm.target.allocator.num_free == total and llm.draft.allocator.num_free == total

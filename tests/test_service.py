@@ -25,7 +25,7 @@ def pair_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(pair_dirs):
-    srv = ServerProcess(*pair_dirs, "--max-queue", str(MAX_QUEUE), "--max-model-len", "4096")
+    srv = ServerProcess(*pair_dirs, "--max-queue", str(MAX_QUEUE), "--max-model-len", "4096", "--no-colocate")
     yield srv
     srv.kill()
 
@@ -250,6 +250,24 @@ def test_device_plan(device, gpus, draft, expected):
     assert (plan.device, plan.gpus_per_actor, plan.backend) == expected
 
 
+@pytest.mark.parametrize("colocate,device,gpus,placement,resources,expected", [
+    (None, "cuda", 1, "PACK", (), True),  # one GPU: the draft runs inside the verifier
+    (None, "cuda", 2, "PACK", (), False),  # a GPU each
+    (None, "cpu", 0, "PACK", (), True),
+    (None, "cpu", 0, "SPREAD", (), False),  # across nodes
+    (None, "cpu", 0, "PACK", (("draft_node", 1.0),), False),
+    (False, "cuda", 1, "PACK", (), False),  # an explicit choice stands
+    (True, "cuda", 2, "PACK", (), True),
+])
+def test_default_placement(colocate, device, gpus, placement, resources, expected):
+    from dspark_serve.cluster.config import PairConfig
+    from dspark_serve.cluster.pair import plan_devices, resolve_colocate
+
+    cfg = PairConfig(target="t", draft="d", device=device, placement=placement, colocate=colocate,
+                     draft_resources=resources)
+    assert resolve_colocate(cfg, plan_devices(device, gpus, True)) is expected
+
+
 def test_a_dead_verifier_fails_streams_and_health(pair_dirs):
     """Kill the verifier actor mid-stream: the client gets UNAVAILABLE at once, health reads NOT_SERVING (not a
     ping that lies), and the server still shuts down cleanly."""
@@ -282,9 +300,9 @@ def test_a_dead_verifier_fails_streams_and_health(pair_dirs):
 
 
 def test_colocated_draft_serves_the_same_tokens(pair_dirs, local):
-    """--colocate: the draft inside the verifier actor (no draft actor, no step channel); same greedy tokens,
-    no channel time, the draft's blocks accounted on the same server."""
-    srv = ServerProcess(*pair_dirs, "--colocate")
+    """The default on one device: the draft inside the verifier actor (no draft actor, no step channel); same
+    greedy tokens, no channel time, the draft's blocks accounted on the same server."""
+    srv = ServerProcess(*pair_dirs)
     try:
         c = DSparkClient(srv.address)
         prompts = _prompts(4)

@@ -21,15 +21,14 @@ def test_pair_on_two_gpus_equals_local_engine(tmp_path):
                                       block_size=8))
         assert pair.backend == "nccl"
         local = LLM(str(target), str(draft), device="cuda", block_size=8, num_kv_blocks=256)
+        client = pair.stream_client()
         for i, prompt in enumerate([[1, 2, 3], [9, 8, 7, 6, 5], [42] * 11, [100, 200]]):
             params = {"temperature": 0.0, "max_tokens": 48}
-            ray.get(pair.verifier.add_request.remote(f"r{i}", prompt, params, None, None))
-            final = None
-            while final is None:
-                final = next((o for o in ray.get(pair.verifier.wait_outputs.remote(1.0)) if o["finished"]), None)
+            tokens, _, stats = client.run({f"r{i}": (prompt, params)})[f"r{i}"]
             ref = local.generate([prompt], SamplingParams(**params))[0]
-            assert final["token_ids"] == ref.token_ids
-            assert final["stats"]["tau"] > 2.0 and final["stats"]["transfer_ms"] > 0
+            assert tokens == ref.token_ids
+            assert stats["tau"] > 2.0 and stats["transfer_ms"] > 0
+        client.close()
         pair.shutdown()
     finally:
         ray.shutdown()
