@@ -7,6 +7,7 @@ long-polls outputs, so no per-token hop is added. `import_path: dspark_serve.clu
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
 from typing import Any
 
@@ -55,12 +56,13 @@ class DSpark:
         info = ray.get(self.pair.verifier.model_info.remote())
         self.core = GatewayCore(self.pair.verifier, info, GatewayConfig(max_queue=max_queue,
                                                                         max_request_bytes=max_request_bytes))
-        self._started = False
+        self._started: asyncio.Task | None = None
 
     async def _ready(self) -> None:
-        if not self._started:
-            self._started = True
-            await self.core.start()
+        """The request stream and the tokenizer, on this replica's event loop, once (concurrent first calls wait)."""
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_task(self.core.start())
+        await asyncio.shield(self._started)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any = None):
         await self._ready()
@@ -74,6 +76,7 @@ class DSpark:
             raise
 
     async def Abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
+        await self._ready()
         return pb.AbortResponse(aborted=await self.core.abort(list(request.request_ids)))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:

@@ -1,0 +1,363 @@
+"""The served path against the in-process engine, in one run: tokens/s, TTFT p50/p99, TPOT p50, tau and the
+channel's ms per step, plain and speculative, at each concurrency, for
+
+  engine    the in-process LLM (continuous batching, the same requests)
+  default   `dspark-serve serve` with default flags (one GPU: the draft inside the verifier actor)
+  colocate  `dspark-serve serve --colocate`
+  split     `dspark-serve serve --no-colocate` (separate draft actor and step channel)
+  serve     Ray Serve's gRPC proxy, with deploy/serve.yaml pointed at the same pair
+
+Held-out code prompts through the target's chat template, greedy, each level c keeping c requests in flight
+until --requests have run (a warm-up wave first). Plain = speculation disabled per request on the same server.
+Clients run in several processes, so that the gateway, not the load generator, is what is measured.
+
+usage: python bench/bench_service.py [--target DIR] [--draft DIR] [--levels 1 8 32 64] [--requests 64]
+                                     [--max-tokens 128] [--layouts engine default split serve] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+LAYOUT_FLAGS = {"default": [], "colocate": ["--colocate"], "split": ["--no-colocate"]}
+
+
+def chat_prompts(target: str, n: int) -> tuple[list[str], str]:
+    """n held-out code prompts (cycled) as the target's chat template renders them; -> (prompts, template)."""
+    from dspark_serve.models.chat_template import ChatTemplateError, load_chat_template, render_chat
+    from dspark_serve.train.data import CHAT_TEMPLATE, read_prompt_texts
+
+    texts = read_prompt_texts(BENCH / "prompts" / "heldout_code.jsonl")
+    try:
+        tpl = load_chat_template(target)
+        render = lambda t: render_chat(tpl, [{"role": "user", "content": t}], add_generation_prompt=True)  # noqa: E731
+        name = tpl.source
+    except ChatTemplateError:
+        render, name = CHAT_TEMPLATE.format, "train.data.CHAT_TEMPLATE"
+    return [render(texts[i % len(texts)]) for i in range(n)], name
+
+
+def summarize(records: list[dict], wall_s: float) -> dict:
+    """records: per request t0, t_first, t_end (seconds), tokens, steps, accepted, transfer_ms."""
+    ok = [r for r in records if "error" not in r]
+    steps = sum(r["steps"] for r in ok)
+    ttft = sorted(1e3 * (r["t_first"] - r["t0"]) for r in ok)
+    tpot = [1e3 * (r["t_end"] - r["t_first"]) / max(r["tokens"] - 1, 1) for r in ok]
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")  # noqa: E731
+    return {"requests": len(ok), "errors": len(records) - len(ok), "tokens": sum(r["tokens"] for r in ok),
+            "tok_s": sum(r["tokens"] for r in ok) / wall_s, "ttft_ms_p50": pct(ttft, 0.5),
+            "ttft_ms_p99": pct(ttft, 0.99), "tpot_ms_p50": statistics.median(tpot) if tpot else float("nan"),
+            "tau": (sum(r["accepted"] for r in ok) + steps) / max(steps, 1),
+            "channel_ms_per_step": sum(r["transfer_ms"] for r in ok) / max(steps, 1)}
+
+
+# -- the in-process engine ---------------------------------------------------------------------------------------
+
+def engine_run(llm, prompts: list[str], concurrency: int, max_tokens: int, plain: bool) -> tuple[list[dict], float]:
+    """Keep `concurrency` requests in flight until all prompts ran; -> (records, wall seconds)."""
+    from dspark_serve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    todo, live, records = list(prompts), {}, []
+    t_start = time.monotonic()
+    while todo or live:
+        while todo and len(live) < concurrency:
+            t0 = time.monotonic()
+            rid = llm.add_request(todo.pop(0), params, num_speculative_tokens=0 if plain else None)
+            live[rid] = {"t0": t0, "t_first": None, "tokens": 0}
+        for out in llm.step():
+            r = live.get(out.request_id)
+            if r is None:
+                continue
+            now = time.monotonic()
+            if out.new_token_ids and r["t_first"] is None:
+                r["t_first"] = now
+            if out.finished:
+                s = out.stats
+                records.append({**r, "t_end": now, "tokens": len(out.token_ids), "steps": s["steps"],
+                                "accepted": s["accepted"], "transfer_ms": s["transfer_ms"]})
+                del live[out.request_id]
+    return records, time.monotonic() - t_start
+
+
+def engine_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
+    import torch
+
+    from dspark_serve.engine.llm import LLM
+
+    llm = LLM(args.target, args.draft, args.speculative_config, device=args.device, max_num_seqs=max(args.levels),
+              num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
+    rows = []
+    for c in args.levels:
+        for plain in (True, False):
+            engine_run(llm, prompts[:c], c, args.max_tokens, plain)  # warm-up: this level's graph buckets
+            records, wall = engine_run(llm, prompts, c, args.max_tokens, plain)
+            rows.append(_row("engine", c, plain, summarize(records, wall)))
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return rows
+
+
+# -- the served pair: load from several client processes -------------------------------------------------------
+
+async def _client(address: str, application: str | None, jobs: list[tuple[str, bool]], concurrency: int,
+                  max_tokens: int, start_at: float) -> list[dict]:
+    import grpc
+
+    from dspark_serve.cluster.client import DSparkClient
+    from dspark_serve.protos.dspark.v1 import dspark_pb2_grpc
+
+    metadata = (("application", application),) if application else None
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = dspark_pb2_grpc.GenerationStub(channel)
+        queue, records = list(jobs), []
+
+        async def worker() -> None:
+            while queue:
+                prompt, plain = queue.pop(0)
+                req = DSparkClient.request(prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                           disable_speculation=plain)
+                rec = {"t0": time.monotonic(), "t_first": None}
+                try:
+                    async for msg in stub.Generate(req, metadata=metadata):
+                        if msg.HasField("chunk"):
+                            if rec["t_first"] is None and msg.chunk.token_ids:
+                                rec["t_first"] = time.monotonic()
+                        else:
+                            s = msg.complete.stats
+                            rec.update(t_end=time.monotonic(), tokens=len(msg.complete.output_ids),
+                                       steps=s.num_spec_steps, accepted=s.num_accepted_tokens,
+                                       transfer_ms=s.transfer_ms)
+                except grpc.aio.AioRpcError as e:
+                    rec = {"error": e.code().name}
+                records.append(rec)
+
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return records
+
+
+def _client_proc(address, application, jobs, concurrency, max_tokens, start_at, out) -> None:
+    out.put(asyncio.run(_client(address, application, jobs, concurrency, max_tokens, start_at)))
+
+
+def load(address: str, application: str | None, prompts: list[str], concurrency: int, max_tokens: int,
+         plain: bool, max_procs: int) -> tuple[list[dict], float]:
+    """`concurrency` streams over up to max_procs client processes; -> (records, wall seconds)."""
+    ctx = mp.get_context("spawn")
+    procs = min(concurrency, max_procs)
+    out = ctx.Queue()
+    start_at = time.monotonic() + 2.0  # every process connected and waiting
+    workers = []
+    for p in range(procs):
+        jobs = [(prompts[i], plain) for i in range(p, len(prompts), procs)]
+        conc = concurrency // procs + (1 if p < concurrency % procs else 0)
+        w = ctx.Process(target=_client_proc, args=(address, application, jobs, conc, max_tokens, start_at, out))
+        w.start()
+        workers.append(w)
+    records = [r for _ in workers for r in out.get(timeout=1800)]
+    for w in workers:
+        w.join()
+    ok = [r for r in records if "error" not in r]
+    return records, (max(r["t_end"] for r in ok) - start_at) if ok else float("nan")
+
+
+def served_rows(layout: str, address: str, application: str | None, args: argparse.Namespace,
+                prompts: list[str]) -> list[dict]:
+    rows = []
+    for c in args.levels:
+        for plain in (True, False):
+            load(address, application, prompts[:c], c, args.max_tokens, plain, args.client_procs)  # warm-up
+            records, wall = load(address, application, prompts, c, args.max_tokens, plain, args.client_procs)
+            rows.append(_row(layout, c, plain, summarize(records, wall)))
+            print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def _row(layout: str, c: int, plain: bool, summary: dict) -> dict:
+    return {"layout": layout, "concurrency": c, "mode": "plain" if plain else "spec", **summary}
+
+
+def _line(r: dict) -> str:
+    return (f"{r['layout']:>8} c={r['concurrency']:<3} {r['mode']:<5} {r['tok_s']:9.1f} tok/s  TTFT p50 "
+            f"{r['ttft_ms_p50']:8.2f} p99 {r['ttft_ms_p99']:8.2f} ms  TPOT p50 {r['tpot_ms_p50']:6.3f} ms  tau "
+            f"{r['tau']:.2f}  channel {r['channel_ms_per_step']:.3f} ms/step  errors {r['errors']}")
+
+
+# -- servers -------------------------------------------------------------------------------------------------------
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+
+
+def start_server(args: argparse.Namespace, flags: list[str]) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", args.target, "--draft", args.draft,
+           "--speculative-config", args.speculative_config, "--host", "127.0.0.1", "--port", "0",
+           "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
+           "--max-num-seqs", str(max(args.levels)), "--max-queue", str(4 * max(args.levels)), *flags]
+    cmd += ["--device", args.device] if args.device else []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=_env())
+    log, end = [], time.monotonic() + args.start_timeout
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        log.append(line)
+        m = re.search(r"serving dspark.v1.Generation on (\S+:\d+)", line)
+        if m:
+            return proc, m.group(1)
+    stop(proc)
+    raise RuntimeError("the server did not start:\n" + "".join(log[-40:]))
+
+
+def serve_config(args: argparse.Namespace, folder: Path) -> Path:
+    """deploy/serve.yaml, its application pointed at this pair on this machine."""
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
+    app = cfg["applications"][0]
+    app["args"].update(target=args.target, draft=args.draft, speculative_config=json.loads(args.speculative_config),
+                       num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
+                       max_num_seqs=max(args.levels), max_queue=4 * max(args.levels), channel_host="127.0.0.1")
+    app["args"].pop("target_resources", None)
+    app["args"].pop("draft_resources", None)
+    app["args"]["device"] = args.device or "auto"
+    app["args"].pop("dtype", None)
+    cfg["http_options"]["host"] = "127.0.0.1"
+    path = folder / "serve.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start_serve(args: argparse.Namespace, config: Path) -> tuple[subprocess.Popen, str]:
+    from dspark_serve.cluster.client import DSparkClient
+
+    cmd = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=_env(), cwd=str(ROOT))
+    address = f"127.0.0.1:{yaml_port(config)}"
+    end = time.monotonic() + args.start_timeout
+    while time.monotonic() < end and proc.poll() is None:
+        c = DSparkClient(address, application="dspark")
+        try:
+            c.model_info()
+            return proc, address
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(2.0)
+        finally:
+            c.close()
+    stop(proc)
+    raise RuntimeError("serve run did not start:\n" + (proc.stdout.read() or "")[-4000:])
+
+
+def yaml_port(config: Path) -> int:
+    import yaml
+
+    return int(yaml.safe_load(config.read_text())["grpc_options"]["port"])
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT if "serve.scripts" in " ".join(proc.args) else signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# -- the report ----------------------------------------------------------------------------------------------------
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per layout and level: spec / plain, and each layout's tok/s over the engine's (same mode)."""
+    by = {(r["layout"], r["concurrency"], r["mode"]): r for r in rows}
+    out = []
+    for (layout, c, mode), r in by.items():
+        if mode != "spec":
+            continue
+        plain = by.get((layout, c, "plain"))
+        eng = by.get(("engine", c, "spec"))
+        eng_plain = by.get(("engine", c, "plain"))
+        out.append({"layout": layout, "concurrency": c,
+                    "spec_over_plain": r["tok_s"] / plain["tok_s"] if plain else None,
+                    "spec_over_engine": r["tok_s"] / eng["tok_s"] if eng else None,
+                    "plain_over_engine": plain["tok_s"] / eng_plain["tok_s"] if plain and eng_plain else None,
+                    "ttft_added_ms_p50": r["ttft_ms_p50"] - eng["ttft_ms_p50"] if eng else None})
+    return out
+
+
+def print_table(rows: list[dict], summary: list[dict]) -> None:
+    print(f"\n{'layout':>8} {'c':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'spec/plain':>10} {'spec/engine':>11} "
+          f"{'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'tau':>5} {'channel':>8}")
+    by = {(r["layout"], r["concurrency"], r["mode"]): r for r in rows}
+    for s in summary:
+        sp, pl = by[(s["layout"], s["concurrency"], "spec")], by.get((s["layout"], s["concurrency"], "plain"))
+        f = lambda x, w, p: f"{x:{w}.{p}f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
+        print(f"{s['layout']:>8} {s['concurrency']:>3} {f(pl and pl['tok_s'], 11, 1)} {sp['tok_s']:10.1f} "
+              f"{f(s['spec_over_plain'], 10, 2)} {f(s['spec_over_engine'], 11, 2)} {sp['ttft_ms_p50']:8.2f} "
+              f"{sp['ttft_ms_p99']:7.1f} {sp['tpot_ms_p50']:8.3f} {sp['tau']:5.2f} {sp['channel_ms_per_step']:8.3f}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from dspark_serve.cluster.demo import GPU_SPEC_CONFIG
+    from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(demo_target_dir()))
+    ap.add_argument("--draft", default=str(DEMO_DRAFTER))
+    ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--requests", type=int, default=64, help="requests per level and mode")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--layouts", nargs="+", default=["engine", "default", "split", "serve"],
+                    choices=["engine", "default", "colocate", "split", "serve"])
+    ap.add_argument("--num-kv-blocks", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--client-procs", type=int, default=8, help="load-generator processes at most")
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    prompts, template = chat_prompts(args.target, args.requests)
+    rows: list[dict] = []
+    result = {"target": args.target, "draft": args.draft, "speculative_config": args.speculative_config,
+              "chat_template": template, "max_tokens": args.max_tokens, "requests": args.requests, "rows": rows}
+    if "engine" in args.layouts:
+        rows += engine_rows(args, prompts)
+        for r in rows:
+            print(_line(r), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in [x for x in args.layouts if x != "engine"]:
+            t0 = time.monotonic()
+            proc, address = start_serve(args, serve_config(args, Path(tmp))) if layout == "serve" else \
+                start_server(args, LAYOUT_FLAGS[layout])
+            print(f"{layout}: up in {time.monotonic() - t0:.1f} s at {address}", flush=True)
+            try:
+                rows += served_rows(layout, address, "dspark" if layout == "serve" else None, args, prompts)
+            finally:
+                stop(proc)
+    result["summary"] = ratios(rows)
+    print_table(rows, result["summary"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
