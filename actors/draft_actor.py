@@ -26,7 +26,7 @@ class DraftActor:
         self.side = DraftSide(model, cfg.num_kv_blocks, cfg.block_size, spec, heads.config.vocab_size)
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self.side.use_static_shapes(cfg.max_model_len)
-            self.side.warm_up()  # the batch-1 graphs now, not during the first requests
+            self.side.warm_up(cfg.max_num_seqs)  # every batch bucket's graphs now, not during requests
         self.config: DraftConfig = model.config
         self.feature_dtype = dtype or heads.config.dtype
         self.end: DraftEnd | None = None

@@ -161,7 +161,7 @@ class VerifierActor:
                 "total_draft_blocks": draft.allocator.num_blocks if draft else 0,
                 "requests_finished": c["requests_finished"], "tokens_generated": c["tokens_generated"],
                 "steps": c["steps"], "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1),
-                "draining": self._draining}
+                "draining": self._draining, "num_cuda_graphs": self.llm.num_cuda_graphs}
 
     def model_info(self) -> dict:
         llm = self.llm

@@ -52,7 +52,8 @@ def chat_prompts(target: str, n: int) -> tuple[list[str], str]:
 
 
 def summarize(records: list[dict], wall_s: float) -> dict:
-    """records: per request t0, t_first, t_end (seconds), tokens, steps, accepted, transfer_ms."""
+    """records: per request t0, t_first, t_end (seconds), tokens, steps, accepted, transfer_ms, and the step
+    loop's own first_token_ms and queue_ms."""
     ok = [r for r in records if "error" not in r]
     steps = sum(r["steps"] for r in ok)
     ttft = sorted(1e3 * (r["t_first"] - r["t0"]) for r in ok)
@@ -62,7 +63,9 @@ def summarize(records: list[dict], wall_s: float) -> dict:
             "tok_s": sum(r["tokens"] for r in ok) / wall_s, "ttft_ms_p50": pct(ttft, 0.5),
             "ttft_ms_p99": pct(ttft, 0.99), "tpot_ms_p50": statistics.median(tpot) if tpot else float("nan"),
             "tau": (sum(r["accepted"] for r in ok) + steps) / max(steps, 1),
-            "channel_ms_per_step": sum(r["transfer_ms"] for r in ok) / max(steps, 1)}
+            "channel_ms_per_step": sum(r["transfer_ms"] for r in ok) / max(steps, 1),
+            "loop_ttft_ms_p50": statistics.median(r["first_token_ms"] for r in ok) if ok else float("nan"),
+            "queue_ms_p50": statistics.median(r["queue_ms"] for r in ok) if ok else float("nan")}
 
 
 # -- the in-process engine ---------------------------------------------------------------------------------------
@@ -89,7 +92,8 @@ def engine_run(llm, prompts: list[str], concurrency: int, max_tokens: int, plain
             if out.finished:
                 s = out.stats
                 records.append({**r, "t_end": now, "tokens": len(out.token_ids), "steps": s["steps"],
-                                "accepted": s["accepted"], "transfer_ms": s["transfer_ms"]})
+                                "accepted": s["accepted"], "transfer_ms": s["transfer_ms"],
+                                "first_token_ms": s["first_token_ms"], "queue_ms": s["queue_ms"]})
                 del live[out.request_id]
     return records, time.monotonic() - t_start
 
@@ -142,7 +146,8 @@ async def _client(address: str, application: str | None, jobs: list[tuple[str, b
                             s = msg.complete.stats
                             rec.update(t_end=time.monotonic(), tokens=len(msg.complete.output_ids),
                                        steps=s.num_spec_steps, accepted=s.num_accepted_tokens,
-                                       transfer_ms=s.transfer_ms)
+                                       transfer_ms=s.transfer_ms, first_token_ms=s.first_token_ms,
+                                       queue_ms=s.queue_ms)
                 except grpc.aio.AioRpcError as e:
                     rec = {"error": e.code().name}
                 records.append(rec)
@@ -179,13 +184,19 @@ def load(address: str, application: str | None, prompts: list[str], concurrency:
 
 def served_rows(layout: str, address: str, application: str | None, args: argparse.Namespace,
                 prompts: list[str]) -> list[dict]:
+    from dspark_serve.cluster.client import DSparkClient
+
+    stats = DSparkClient(address, application=application)
     rows = []
     for c in args.levels:
         for plain in (True, False):
             load(address, application, prompts[:c], c, args.max_tokens, plain, args.client_procs)  # warm-up
+            graphs = stats.server_stats().num_cuda_graphs
             records, wall = load(address, application, prompts, c, args.max_tokens, plain, args.client_procs)
             rows.append(_row(layout, c, plain, summarize(records, wall)))
+            rows[-1]["graphs_recorded_during"] = stats.server_stats().num_cuda_graphs - graphs
             print(_line(rows[-1]), flush=True)
+    stats.close()
     return rows
 
 
@@ -196,7 +207,8 @@ def _row(layout: str, c: int, plain: bool, summary: dict) -> dict:
 def _line(r: dict) -> str:
     return (f"{r['layout']:>8} c={r['concurrency']:<3} {r['mode']:<5} {r['tok_s']:9.1f} tok/s  TTFT p50 "
             f"{r['ttft_ms_p50']:8.2f} p99 {r['ttft_ms_p99']:8.2f} ms  TPOT p50 {r['tpot_ms_p50']:6.3f} ms  tau "
-            f"{r['tau']:.2f}  channel {r['channel_ms_per_step']:.3f} ms/step  errors {r['errors']}")
+            f"{r['tau']:.2f}  channel {r['channel_ms_per_step']:.3f} ms/step  loop TTFT p50 {r['loop_ttft_ms_p50']:.2f} "
+            f"queue {r['queue_ms_p50']:.2f} ms  graphs +{r.get('graphs_recorded_during', 0)}  errors {r['errors']}")
 
 
 # -- servers -------------------------------------------------------------------------------------------------------

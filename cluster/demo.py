@@ -127,8 +127,8 @@ def run_demo(args: argparse.Namespace) -> int:
     totals = {"spec_tokens": 0, "spec_s": 0.0, "plain_tokens": 0, "plain_s": 0.0, "steps": 0, "accepted": 0}
     try:
         print(f"serving on {address}; warming up ...", flush=True)
-        for disable in (False, True):
-            client.generate(CHAT_TEMPLATE.format(PROMPTS[0]), max_tokens=4, temperature=0.0,
+        for disable in (False, True):  # the whole path once, so that the timed runs find it warm
+            client.generate(CHAT_TEMPLATE.format(PROMPTS[-1]), max_tokens=args.max_tokens or 128, temperature=0.0,
                             disable_speculation=disable)
         for n, text in enumerate(PROMPTS[:args.num_prompts], 1):
             prompt = CHAT_TEMPLATE.format(text)

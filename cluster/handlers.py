@@ -18,6 +18,7 @@ from . import convert
 from .config import GatewayConfig
 
 PAIR_TIMEOUT_S = 10.0  # a control call the pair does not answer in this long means it is gone
+INLINE_CHARS = 2048  # shorter texts are tokenized on the event loop (< ~0.5 ms); longer ones in a worker thread
 UNAVAILABLE = "the model pair is unavailable; the request did not complete"
 
 
@@ -52,7 +53,7 @@ class GatewayCore:
         self.draining = False
         self.token_text: TokenText | None = None
         self.conn: StreamClient | None = None
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dspark-tokenize")
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dspark-tokenize")
         self._pump: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -114,10 +115,13 @@ class GatewayCore:
         return prompt, params, n, threshold
 
     async def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Text -> ids in a worker thread (the tokenizer releases the GIL), so a large text stalls no stream."""
+        """Text -> ids; a long text in a worker thread (the tokenizer releases the GIL), so it stalls no stream."""
         if not isinstance(prompt, str):
             return prompt
-        ids = await asyncio.get_running_loop().run_in_executor(self._pool, _encode, self.token_text, prompt)
+        if len(prompt) <= INLINE_CHARS:
+            ids = _encode(self.token_text, prompt)
+        else:
+            ids = await asyncio.get_running_loop().run_in_executor(self._pool, _encode, self.token_text, prompt)
         convert.check_prompt_length(len(ids), self.info["max_model_len"])
         return ids
 

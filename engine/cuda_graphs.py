@@ -105,12 +105,18 @@ class TargetGraphs:
         return logits.view(b, q, -1)[:r], feats.view(b, q, -1)[:r].clone() if feats is not None else None, \
             accept[:r].clone()
 
+    @property
+    def num_recorded(self) -> int:
+        """CUDA graphs recorded so far (0 when not capturing)."""
+        return len(self._runners) if self.capture else 0
+
     @torch.inference_mode()
-    def warm_up(self, batch: int = 1) -> int:
-        """Record now, on padding, the graphs of `batch` rows for every query length and context bucket, so that
-        the first requests do not wait for them; -> how many were recorded (0 when not capturing)."""
-        b = _bucket(batch, self.buckets.batch)
-        shapes = [(q, b, c) for q in self.query_lens for c in self.buckets.context
+    def warm_up(self, max_batch: int = 1) -> int:
+        """Record now, on padding, the graphs of every batch bucket up to max_batch's for every query length and
+        context bucket, so that no request waits for one; -> how many were recorded (0 when not capturing)."""
+        top = _bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
+        shapes = [(q, b, c) for b in self.buckets.batch if b <= top for q in self.query_lens
+                  for c in self.buckets.context
                   if self.capture and b * q <= MAX_GRAPH_TOKENS and (q, b, c) not in self._runners]
         for shape in shapes:
             self._runners[shape] = self._build(*shape)

@@ -88,13 +88,18 @@ class DraftGraphs:
         self._advance(packed, r, b, c)
         return self._run(b, c, need_q, r)
 
+    @property
+    def num_recorded(self) -> int:
+        """CUDA graphs recorded so far (0 when not capturing)."""
+        return len(self._runners) if self.capture else 0
+
     @torch.inference_mode()
-    def warm_up(self, batch: int = 1) -> int:
-        """Record now, on padding, the greedy and the sampling graph of `batch` rows for every context bucket;
-        -> how many were recorded (0 when not capturing)."""
-        b = _bucket(batch, self.buckets.batch)
-        keys = [(b, c, q) for c in self.buckets.context for q in (False, True)
-                if self.capture and (b, c, q) not in self._runners]
+    def warm_up(self, max_batch: int = 1) -> int:
+        """Record now, on padding, the greedy and the sampling graph of every batch bucket up to max_batch's for
+        every context bucket; -> how many were recorded (0 when not capturing)."""
+        top = _bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
+        keys = [(b, c, q) for b in self.buckets.batch if b <= top for c in self.buckets.context
+                for q in (False, True) if self.capture and (b, c, q) not in self._runners]
         for key in keys:
             self._runners[key] = self._build(*key)
         return len(keys)

@@ -135,9 +135,10 @@ class DraftSide:
         self.graphs = DraftGraphs(self, self.allocator.num_blocks * self.block_size, max_model_len,
                                   capture_graphs=capture)
 
-    def warm_up(self) -> int:
-        """Record the batch-1 graphs (greedy and sampling, every context bucket) now; -> how many."""
-        return self.graphs.warm_up() if self.graphs is not None else 0
+    def warm_up(self, max_batch: int = 1) -> int:
+        """Record the graphs (greedy and sampling, every context bucket) of every batch bucket up to max_batch
+        now; -> how many."""
+        return self.graphs.warm_up(max_batch) if self.graphs is not None else 0
 
     @property
     def query_len(self) -> int:

@@ -42,8 +42,8 @@ class LLM:
                  warmup: bool = True, tokenizer: str | Path | Any = None) -> None:
         """`draft_side` (with `capture_layers`) plugs in a draft living elsewhere, e.g. behind the step channel.
         `enforce_eager` (vLLM's name; default: True on CPU, False on CUDA): False runs decode/verify steps with
-        static shapes, captured as CUDA graphs on CUDA. `warmup`: record the batch-1 graphs here (warm_up())
-        instead of on the first requests that meet them. `tokenizer`: a directory, or a `tokenizers.Tokenizer`
+        static shapes, captured as CUDA graphs on CUDA. `warmup`: record the graphs here (warm_up()) instead of
+        on the first requests that meet them. `tokenizer`: a directory, or a `tokenizers.Tokenizer`
         (default: the target directory's)."""
         spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) else \
             SpeculativeConfig.from_json(speculative_config)
@@ -88,15 +88,34 @@ class LLM:
         gc.collect()
         gc.freeze()
 
-    def warm_up(self) -> int:
-        """Record the batch-1 CUDA graphs now (every prefill bucket one prompt takes; decode, verify and the draft
-        at every context bucket) rather than during the first requests that meet them; -> how many. Off the GPU or
-        with enforce_eager there is nothing to record."""
+    def warm_up(self, max_batch: int | None = None) -> int:
+        """Record the CUDA graphs now rather than during the requests that first meet them (every prefill bucket
+        one prompt takes; decode, verify and the draft at every context bucket and every batch bucket up to
+        max_batch, default max_num_seqs), then run one short generation, plain and speculative, so that nothing
+        is compiled on a request's time; -> how many graphs. Off the GPU or with enforce_eager: nothing."""
         t0 = time.perf_counter()
-        n = self.target.warm_up() + (self.draft.warm_up() if isinstance(self.draft, DraftSide) else 0)
+        top = self.scheduler.max_num_seqs if max_batch is None else max_batch
+        n = self.target.warm_up(top) + (self.draft.warm_up(top) if isinstance(self.draft, DraftSide) else 0)
         if n:
-            log.info("recorded %d CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+            prompt = [(7 * i) % min(self.target.vocab_size, 1000) for i in range(96)]
+            params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+            for spec in (0, None) if isinstance(self.draft, DraftSide) else (0,):  # a remote draft is not up yet
+                self.generate_one(prompt, params, num_speculative_tokens=spec)
+            log.info("recorded %d CUDA graphs and ran a warm-up generation in %.1f s", n, time.perf_counter() - t0)
         return n
+
+    @property
+    def num_cuda_graphs(self) -> int:
+        graphs = (self.target.graphs, self.target.prompts, getattr(self.draft, "graphs", None))
+        return sum(g.num_recorded for g in graphs if g is not None)
+
+    def generate_one(self, prompt: str | list[int], params: SamplingParams, **kw: Any) -> RequestOutput:
+        """One request to completion (add_request's keywords); other requests in flight keep running."""
+        rid = self.add_request(prompt, params, **kw)
+        while True:
+            for out in self.step():
+                if out.request_id == rid and out.finished:
+                    return out
 
     @property
     def max_speculative_tokens(self) -> int:

@@ -73,6 +73,11 @@ class PromptGraphs:
             return False
         return sum(_bucket(n, self.lengths) for n in lens) * self.layer_weights <= MAX_WORK
 
+    @property
+    def num_recorded(self) -> int:
+        """CUDA graphs recorded so far (0 when not capturing)."""
+        return len(self._runners) if self.capture else 0
+
     @torch.inference_mode()
     def warm_up(self) -> int:
         """Record now, on padding, the graph of every bucket one prompt takes; -> how many (0 when not capturing)."""

@@ -27,6 +27,9 @@ class RequestStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     transfer_ms: float = 0.0
+    arrival: float = 0.0  # time.monotonic() when the scheduler took the request
+    queue_ms: float = 0.0  # arrival -> admitted
+    first_token_ms: float = 0.0  # arrival -> first token
 
     @property
     def tau(self) -> float:
@@ -38,7 +41,8 @@ class RequestStats:
                 "accepted_per_step": list(self.accepted_per_step), "tau": self.tau,
                 "per_position_accepted": list(self.per_position_accepted),
                 "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3),
-                "transfer_ms": round(self.transfer_ms, 3)}
+                "transfer_ms": round(self.transfer_ms, 3), "queue_ms": round(self.queue_ms, 3),
+                "first_token_ms": round(self.first_token_ms, 3)}
 
 
 @dataclass(eq=False)  # identity semantics: a live request is compared by object, never by its tensors

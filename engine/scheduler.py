@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 import torch
 
@@ -53,6 +54,7 @@ class Scheduler:
             if req.request_id in self._live:
                 raise ValueError(f"request_id {req.request_id!r} is already running")
             self._live.add(req.request_id)
+            req.stats.arrival = time.monotonic()
             self._adds.append(req)
 
     def abort(self, request_id: str) -> bool:
@@ -134,6 +136,8 @@ class Scheduler:
             req = self.waiting.popleft()
             self.running.append(req)
             admitted.append(req)
+            if not req.output_ids:
+                req.stats.queue_ms = 1e3 * (time.monotonic() - req.stats.arrival)
         return admitted
 
     def _make_room(self) -> None:
@@ -170,8 +174,9 @@ class Scheduler:
         first = verify_mixed(none, torch.zeros(len(reqs), dtype=torch.int64, device=none.device), logits, None,
                              p["is_greedy"], p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
                              positions, **verify_hints(reqs)).output_tokens[:, 0].tolist()
-        outputs = []
+        outputs, now = [], time.monotonic()
         for r, f, tok in zip(reqs, feats, first):
+            r.stats.first_token_ms = 1e3 * (now - r.stats.arrival)
             r.num_computed = len(r.prompt_ids)
             if f is not None:
                 r.pending_features.append(f)

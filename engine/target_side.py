@@ -40,9 +40,10 @@ class TargetSide:
                                                   self.capture_layers, capture=capture) \
             if prompt_graphs.ENABLED else None
 
-    def warm_up(self) -> int:
-        """Record the batch-1 decode/verify graphs and the prefill graphs now; -> how many."""
-        graphs = self.graphs.warm_up() if self.graphs is not None else 0
+    def warm_up(self, max_batch: int = 1) -> int:
+        """Record the decode/verify graphs of every batch bucket up to max_batch, and the prefill graphs, now;
+        -> how many."""
+        graphs = self.graphs.warm_up(max_batch) if self.graphs is not None else 0
         return graphs + (self.prompts.warm_up() if self.prompts is not None else 0)
 
     @property

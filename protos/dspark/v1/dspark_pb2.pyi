@@ -71,7 +71,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeOverrides, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("num_spec_steps", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "draft_acceptance_rate", "per_position_accepted", "accepted_per_step", "draft_ms", "verify_ms", "transfer_ms")
+    __slots__ = ("num_spec_steps", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "draft_acceptance_rate", "per_position_accepted", "accepted_per_step", "draft_ms", "verify_ms", "transfer_ms", "queue_ms", "first_token_ms")
     NUM_SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class SpecStats(_message.Message):
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     num_spec_steps: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -92,7 +94,9 @@ class SpecStats(_message.Message):
     draft_ms: float
     verify_ms: float
     transfer_ms: float
-    def __init__(self, num_spec_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., draft_acceptance_rate: _Optional[float] = ..., per_position_accepted: _Optional[_Iterable[int]] = ..., accepted_per_step: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    queue_ms: float
+    first_token_ms: float
+    def __init__(self, num_spec_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., draft_acceptance_rate: _Optional[float] = ..., per_position_accepted: _Optional[_Iterable[int]] = ..., accepted_per_step: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text", "num_output_tokens")
@@ -169,7 +173,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "free_target_blocks", "total_target_blocks", "free_draft_blocks", "total_draft_blocks", "requests_finished", "tokens_generated", "mean_acceptance_length", "steps", "draining")
+    __slots__ = ("num_running", "num_waiting", "free_target_blocks", "total_target_blocks", "free_draft_blocks", "total_draft_blocks", "requests_finished", "tokens_generated", "mean_acceptance_length", "steps", "draining", "num_cuda_graphs")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_TARGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +185,7 @@ class ServerStats(_message.Message):
     MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     free_target_blocks: int
@@ -192,4 +197,5 @@ class ServerStats(_message.Message):
     mean_acceptance_length: float
     steps: int
     draining: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_target_blocks: _Optional[int] = ..., total_target_blocks: _Optional[int] = ..., free_draft_blocks: _Optional[int] = ..., total_draft_blocks: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., steps: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    num_cuda_graphs: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_target_blocks: _Optional[int] = ..., total_target_blocks: _Optional[int] = ..., free_draft_blocks: _Optional[int] = ..., total_draft_blocks: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., steps: _Optional[int] = ..., draining: _Optional[bool] = ..., num_cuda_graphs: _Optional[int] = ...) -> None: ...
