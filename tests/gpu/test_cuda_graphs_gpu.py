@@ -46,22 +46,25 @@ def test_prompt_graphs_equal_eager_prefill(dtype):
     assert graphs.target.prompts.capture and set(graphs.target.prompts._runners) == {32, 48, 384}
 
 
-def test_warm_up_records_the_batch_one_graphs():
+def test_warm_up_records_every_batch_bucket():
     target, draft = tiny_pair(seed=6, agree=0.002, block_size=6, dtype=torch.float32)
     target, draft = target.cuda(), draft.cuda()
-    kw = dict(device="cuda", block_size=8, num_kv_blocks=256, max_model_len=512)
+    kw = dict(device="cuda", block_size=8, num_kv_blocks=256, max_model_len=512, max_num_seqs=4)
     eager, graphs = LLM(target, draft, enforce_eager=True, **kw), LLM(target, draft, **kw)
     recorded = {k: set(v) for k, v in (("target", graphs.target.graphs._runners),
                                        ("prompts", graphs.target.prompts._runners),
                                        ("draft", graphs.draft.graphs._runners))}
-    assert recorded["target"] == {(q, 1, c) for q in (1, 7) for c in (256, 512)}
+    assert recorded["target"] == {(q, b, c) for q in (1, 7) for b in (1, 2, 4) for c in (256, 512)}
     assert recorded["prompts"] == {32, 48, 64, 96, 128, 192, 256, 384, 512}
-    assert recorded["draft"] == {(1, c, q) for c in graphs.draft.graphs.buckets.context for q in (False, True)}
-    assert graphs.warm_up() == 0
+    assert recorded["draft"] == {(b, c, q) for b in (1, 2, 4) for c in graphs.draft.graphs.buckets.context
+                                 for q in (False, True)}
+    assert graphs.warm_up() == 0 and graphs.num_cuda_graphs == sum(map(len, recorded.values()))
     g = torch.Generator().manual_seed(3)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    for n in (3, 100):
-        p = torch.randint(0, 250, (n,), generator=g).tolist()
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (3, 100, 7, 50)]
+    assert [o.token_ids for o in graphs.generate(prompts, params)] == \
+        [o.token_ids for o in eager.generate(prompts, params)]
+    for p in prompts[:2]:
         assert graphs.generate([p], params)[0].token_ids == eager.generate([p], params)[0].token_ids
     assert {k: set(v) for k, v in (("target", graphs.target.graphs._runners),
                                    ("prompts", graphs.target.prompts._runners),
