@@ -64,7 +64,8 @@ def _serve(args: argparse.Namespace) -> int:
                       target_resources=_resources(args.target_resources, "--target-resources"),
                       draft_resources=_resources(args.draft_resources, "--draft-resources"))
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
-                            drain_timeout_s=args.drain_timeout, max_prompt_chars=args.max_prompt_chars)
+                            drain_timeout_s=args.drain_timeout, max_prompt_chars=args.max_prompt_chars,
+                            stream_messages_per_s=args.stream_messages_per_s)
     try:
         pair.validate()
         if args.speculative_config:
@@ -252,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=4096)
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
     s.add_argument("--max-queue", type=int, default=256)
+    s.add_argument("--stream-messages-per-s", type=float, default=6000.0,
+                   help="chunk messages per second the gateway aims for over all streams: with many streams each "
+                        "message carries several steps (default 6000)")
     s.add_argument("--max-prompt-chars", type=int,
                    help="longer text prompts are refused before tokenizing (default: 32 x --max-model-len)")
     s.add_argument("--drain-timeout", type=float, default=30.0)

@@ -46,4 +46,6 @@ class GatewayConfig:
     max_queue: int = 256  # queued + running requests before RESOURCE_EXHAUSTED
     max_request_bytes: int = 4 << 20  # larger Generate requests get INVALID_ARGUMENT
     max_prompt_chars: int | None = None  # a longer text prompt is refused before tokenizing; None: 32 x max_model_len
+    stream_messages_per_s: float = 6000.0  # chunk messages the gateway aims to send per second over all streams:
+    # with many streams each gets one every live / this seconds at most, carrying every step since its last
     drain_timeout_s: float = 30.0

@@ -18,7 +18,7 @@ from . import convert
 from .config import GatewayConfig
 
 PAIR_TIMEOUT_S = 10.0  # a control call the pair does not answer in this long means it is gone
-INLINE_CHARS = 2048  # shorter texts are tokenized on the event loop (< ~0.5 ms); longer ones in a worker thread
+INLINE_CHARS = 2048  # at light load, shorter texts are tokenized on the event loop (< ~0.5 ms), saving a thread hop
 UNAVAILABLE = "the model pair is unavailable; the request did not complete"
 
 
@@ -115,10 +115,11 @@ class GatewayCore:
         return prompt, params, n, threshold
 
     async def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Text -> ids; a long text in a worker thread (the tokenizer releases the GIL), so it stalls no stream."""
+        """Text -> ids in worker threads (the tokenizer releases the GIL): a long text stalls no stream, and a
+        burst of arrivals is tokenized in parallel."""
         if not isinstance(prompt, str):
             return prompt
-        if len(prompt) <= INLINE_CHARS:
+        if len(prompt) <= INLINE_CHARS and len(self.live) <= 2:
             ids = _encode(self.token_text, prompt)
         else:
             ids = await asyncio.get_running_loop().run_in_executor(self._pool, _encode, self.token_text, prompt)
@@ -152,15 +153,19 @@ class GatewayCore:
                 raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded while tokenizing the prompt") from None
             live.num_prompt_tokens = len(ids)
             self.conn.send(("add", rid, ids, params, n, threshold))
+            sent = None  # when the last chunk went out
             while not finished:
                 try:
                     await asyncio.wait_for(live.wake.wait(), None if end is None else max(0.0, end - loop.time()))
+                    if sent is not None:
+                        await self._pace(live, sent)
                 except asyncio.TimeoutError:
                     raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded; the request was aborted") from None
                 items, live.pending = live.pending, []
                 live.wake.clear()
                 response, final = self._take(rid, live, items)
                 if response is not None:
+                    sent = loop.time()
                     yield response
                 if final is not None:
                     finished = True
@@ -169,6 +174,14 @@ class GatewayCore:
             self.live.pop(rid, None)
             if not finished and self.conn is not None:  # client gone, deadline, or error: free its blocks
                 self.conn.send(("abort", [rid]))
+
+    async def _pace(self, live: _Live, sent: float) -> None:
+        """Hold a stream's next chunk until its share of the message rate allows it (a final is never held): with
+        many streams, each message carries several steps, and the gateway's time per step stays bounded."""
+        gap = len(self.live) / self.cfg.stream_messages_per_s
+        wait = sent + gap - asyncio.get_running_loop().time()
+        if wait > 1e-4 and not any(isinstance(x, tuple) and x[2] is not None for x in live.pending):
+            await asyncio.sleep(wait)
 
     def _take(self, rid: str, live: _Live, items: list) -> tuple[pb.GenerateResponse | None,
                                                                    pb.GenerateResponse | None]:

@@ -117,3 +117,27 @@ def test_a_huge_prompt_does_not_stall_other_streams(server):
     assert t1 - t0 > 0.5 and len(during) >= 10 and max(gaps) < 0.5, (t1 - t0, len(during), max(gaps, default=0))
     big.close()
     c.close()
+
+
+def test_paced_streams_carry_several_steps_per_message(pair_dirs, tokenizer):
+    """With a low message budget each chunk carries every step since the last; nothing is lost or reordered."""
+    srv = ServerProcess(*pair_dirs, "--stream-messages-per-s", "40")
+    try:
+        results = [None] * 4
+
+        def run(i):
+            c = DSparkClient(srv.address)
+            ids, texts, final = _stream(c, "你好", temperature=1.0, seed=i, max_tokens=120, ignore_eos=True)
+            results[i] = (len(texts), final.stats.num_spec_steps, ids, "".join(texts), final)
+            c.close()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for chunks, steps, ids, text, final in results:
+            assert ids == list(final.output_ids) and text == final.text == tokenizer.decode(ids)
+            assert chunks < steps / 2, (chunks, steps)
+    finally:
+        srv.kill()
