@@ -350,10 +350,12 @@ def main(argv: list[str] | None = None) -> dict:
     rows: list[dict] = []
     result = {"target": args.target, "draft": args.draft, "speculative_config": args.speculative_config,
               "chat_template": template, "max_tokens": args.max_tokens, "requests": args.requests, "rows": rows}
+    save = lambda: Path(args.json).write_text(json.dumps(result, indent=2)) if args.json else None  # noqa: E731
     if "engine" in args.layouts:
         rows += engine_rows(args, prompts)
         for r in rows:
             print(_line(r), flush=True)
+        save()
     with tempfile.TemporaryDirectory() as tmp:
         for layout in [x for x in args.layouts if x != "engine"]:
             t0 = time.monotonic()
@@ -364,10 +366,10 @@ def main(argv: list[str] | None = None) -> dict:
                 rows += served_rows(layout, address, "dspark" if layout == "serve" else None, args, prompts)
             finally:
                 stop(proc)
+            save()
     result["summary"] = ratios(rows)
     print_table(rows, result["summary"])
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    save()
     return result
 
 
