@@ -4,6 +4,7 @@ cancel, bound the queue, drain. Talks to the step loop over the request stream; 
 from __future__ import annotations
 
 import asyncio
+import gc
 import secrets
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +65,10 @@ class GatewayCore:
         host, port, secret = await asyncio.wait_for(self.verifier.stream_address.remote(), PAIR_TIMEOUT_S)
         self.conn = await StreamClient.connect(host, port, secret)
         self._pump = loop.create_task(self._pump_frames())
+        # What is alive now (the tokenizer's tables, Ray's and grpc's state) leaves the cyclic collector's view:
+        # a full collection walking it would stall every stream at once.
+        gc.collect()
+        gc.freeze()
 
     async def close(self) -> None:
         if self._pump is not None:
