@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=["bfloat16", "float32"],
                       help="default: bfloat16 on a GPU and on a CPU with AMX, else float32")
     demo.add_argument("--speculative-config",
-                      help="JSON (vLLM names); default: top-64 drafting, plus a confidence threshold of 0.3 in fp32")
+                      help="JSON (vLLM names); default: top-64 drafting, plus a survival threshold of 0.3 in fp32")
     demo.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the service")
     demo.add_argument("--colocate", action=argparse.BooleanOptionalAction,
                       help="the draft inside the verifier actor, or (--no-colocate) in its own actor; default: "
