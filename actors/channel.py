@@ -20,7 +20,7 @@ from torch import Tensor
 from dspark_serve.engine.draft_side import DraftInput, DraftProposal
 
 HEADER = 8  # int64 words: [op, a, b, c, d, e, f, total bytes]
-OP_PROPOSE, OP_STOP = 1, 2
+OP_PROPOSE, OP_STOP, OP_PING = 1, 2, 3
 Q_NONE, Q_DENSE, Q_TOPK = 0, 1, 2
 TO_VERIFIER = 16 << 10  # bytes: a top-k 64 proposal of 2 requests, or a greedy one of 100
 HOST_PREFIX = 8 << 10  # bytes of a request the draft reads to the host at once (header + fields, usually)
@@ -121,9 +121,20 @@ class VerifierEnd(StepChannel):
     """Sends DraftInput, receives DraftProposal."""
 
     def __init__(self, host: str, port: int, backend: str, device: torch.device, ctx_dim: int,
-                 feature_dtype: torch.dtype, target_vocab: int) -> None:
-        super().__init__(0, host, port, backend, device, ctx_dim)
+                 feature_dtype: torch.dtype, target_vocab: int, timeout_s: float = 120.0) -> None:
+        super().__init__(0, host, port, backend, device, ctx_dim, timeout_s)
         self.ctx_dim, self.feature_dtype, self.target_vocab = ctx_dim, feature_dtype, target_vocab
+        self.last_used = time.monotonic()
+
+    def ping(self) -> float:
+        """One empty round trip, so that an idle channel's operations never reach their timeout; -> ms."""
+        t0 = time.perf_counter()
+        head = torch.tensor([OP_PING] + [0] * (HEADER - 1), dtype=torch.int64)
+        buf, total = self._pack("out", head, [], self.capacity_to_draft)
+        self._send(buf, total, self.capacity_to_draft)
+        self._recv("in", self.capacity_to_verifier, 8 * HEADER)
+        self.last_used = time.monotonic()
+        return (time.perf_counter() - t0) * 1e3
 
     def propose(self, inp: DraftInput) -> DraftProposal:
         """One message each way (plus an overflow message for a payload past the capacity)."""
@@ -148,6 +159,7 @@ class VerifierEnd(StepChannel):
         probs = floats[..., :q_width] if kind == Q_DENSE else None
         cand_ids, cand_probs = (ints[..., 1:], floats[..., :k]) if kind == Q_TOPK else (None, None)
         conf = floats[..., -1] if has_conf else None
+        self.last_used = time.monotonic()
         wall_ms = (time.perf_counter() - t0) * 1e3
         return DraftProposal(ints[..., 0], probs, conf, transfer_ms=max(0.0, wall_ms - compute_us / 1e3),
                              cand_ids=cand_ids, cand_probs=cand_probs)
@@ -162,26 +174,34 @@ class DraftEnd(StepChannel):
     """Receives DraftInput, runs `propose`, sends the DraftProposal (q restricted to its candidates)."""
 
     def __init__(self, host: str, port: int, backend: str, device: torch.device, ctx_dim: int,
-                 feature_dtype: torch.dtype) -> None:
-        super().__init__(1, host, port, backend, device, ctx_dim)
+                 feature_dtype: torch.dtype, timeout_s: float = 120.0) -> None:
+        super().__init__(1, host, port, backend, device, ctx_dim, timeout_s)
         self.ctx_dim, self.feature_dtype = ctx_dim, feature_dtype
 
     def serve(self, propose) -> None:
-        """Loop until OP_STOP: one proposal per verify step."""
+        """Loop until OP_STOP: one proposal per verify step, an empty answer per ping."""
         while True:
             out = self._receive()
             if out is None:
                 return
+            if out == OP_PING:
+                head = torch.tensor([0] * HEADER, dtype=torch.int64)
+                buf, total = self._pack("out", head, [], self.capacity_to_verifier)
+                self._send(buf, total, self.capacity_to_verifier)
+                continue
             t0 = time.perf_counter()
             proposal = propose(out)
             if self.device.type == "cuda":  # compute time includes the device's: the rest is the channel's
                 torch.cuda.synchronize(self.device)
             self._reply(proposal, int((time.perf_counter() - t0) * 1e6))
 
-    def _receive(self) -> DraftInput | None:
+    def _receive(self) -> DraftInput | int | None:
+        """The next request: a DraftInput, OP_PING, or None for OP_STOP."""
         buf, h, words = self._recv("in", self.capacity_to_draft, min(HOST_PREFIX, self.capacity_to_draft))
         if h[0] == OP_STOP:
             return None
+        if h[0] == OP_PING:
+            return OP_PING
         num_reqs, num_ctx, width = h[1:4]
         n_words = HEADER + num_reqs * (6 + width)
         if n_words > words.numel():  # many requests: the fields run past the prefix read

@@ -17,7 +17,7 @@ from .placement_env import actor_device, set_cpu_threads, torch_dtype
 class DraftActor:
     def __init__(self, cfg) -> None:  # cfg: cluster.config.PairConfig
         self.device = actor_device(cfg.device)
-        self.cpu_threads = cfg.cpu_threads
+        self.cpu_threads, self.channel_timeout_s = cfg.cpu_threads, cfg.channel_timeout_s
         set_cpu_threads(self.device, self.cpu_threads)
         dtype = torch_dtype(cfg.dtype)
         spec = SpeculativeConfig.from_json(cfg.speculative_config)
@@ -33,7 +33,7 @@ class DraftActor:
 
     def connect(self, host: str, port: int, backend: str) -> bool:
         self.end = DraftEnd(host, port, backend, self.device if backend == "nccl" else torch.device("cpu"),
-                            self.config.context_dim, self.feature_dtype)
+                            self.config.context_dim, self.feature_dtype, self.channel_timeout_s)
         return True
 
     def serve(self) -> str:

@@ -56,7 +56,8 @@ class VerifierActor:
     def connect(self, host: str, port: int, backend: str) -> bool:
         """Join the pair's process group (the draft calls its own connect at the same time)."""
         dev = self.device if backend == "nccl" else torch.device("cpu")
-        end = VerifierEnd(host, port, backend, dev, self.draft_cfg.context_dim, torch.float32, 0)
+        end = VerifierEnd(host, port, backend, dev, self.draft_cfg.context_dim, torch.float32, 0,
+                          self.cfg.channel_timeout_s)
         self._build(end)  # the receive dtype and vocab are known once the target is loaded
         end.feature_dtype = self.llm.target.model.lm_head.weight.dtype
         end.target_vocab = self.llm.target.vocab_size
@@ -98,6 +99,8 @@ class VerifierActor:
                 self._heartbeat = time.monotonic()
                 if self.llm.has_unfinished():
                     self._publish(self.llm.scheduler.step())
+                else:
+                    self._keep_channel_alive()
         except Exception:  # the loop must not die silently: health reports it, the gateway fails every stream
             self._error = traceback.format_exc()
             self.stream.send(("fatal", "the step loop failed"))
@@ -107,6 +110,11 @@ class VerifierActor:
                 self.llm.draft.end.stop()
                 self.llm.draft.end.close()
             self.stream.close()
+
+    def _keep_channel_alive(self) -> None:
+        draft = self.llm.draft
+        if isinstance(draft, RemoteDraft) and time.monotonic() - draft.end.last_used > self.cfg.keepalive_s:
+            draft.end.ping()
 
     def _apply(self, frame: tuple) -> None:
         if frame[0] == "add":

@@ -61,6 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                       max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, placement=args.placement,
                       channel_host=args.channel_host, colocate=args.colocate, cpu_threads=args.cpu_threads,
+                      channel_timeout_s=args.channel_timeout, keepalive_s=args.keepalive,
                       target_resources=_resources(args.target_resources, "--target-resources"),
                       draft_resources=_resources(args.draft_resources, "--draft-resources"))
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
@@ -245,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the draft inside the verifier actor, on its device (no step channel), or (--no-colocate) in "
                         "its own actor; default: co-located when both would share one device (one GPU, or CPUs "
                         "without SPREAD placement or custom resources), separate actors on two GPUs")
+    s.add_argument("--channel-timeout", type=float, default=120.0,
+                   help="seconds one step-channel operation may take before the draft counts as gone (default 120)")
+    s.add_argument("--keepalive", type=float, default=20.0,
+                   help="seconds between pings of an idle step channel, below --channel-timeout (default 20)")
     s.add_argument("--target-resources", help='custom Ray resources for the verifier, JSON, e.g. {"target_gpu": 1}')
     s.add_argument("--draft-resources", help='custom Ray resources for the draft, JSON, e.g. {"draft_gpu": 1}')
     s.add_argument("--block-size", type=int, default=16)

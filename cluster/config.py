@@ -23,6 +23,8 @@ class PairConfig:
     colocate: bool | None = None  # the draft inside the verifier actor (no step channel, drafting ahead); None:
     # when the two would share one device (one GPU, or one node's CPUs), see pair.resolve_colocate
     channel_host: str | None = None  # address the verifier's step channel binds; None: its node IP
+    channel_timeout_s: float = 120.0  # one step-channel operation that takes longer means the peer is gone
+    keepalive_s: float = 20.0  # an idle split pair pings its channel this often, so idleness never times out
     num_cpus: float = 1.0  # per actor
     cpu_threads: int = 0  # torch threads of each CPU actor; 0: every CPU of its node (actors take turns in a step)
     target_resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources steering the verifier
@@ -35,6 +37,9 @@ class PairConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0 (0: all of the node's CPUs), got {self.cpu_threads}")
+        if not 0 < self.keepalive_s < self.channel_timeout_s:
+            raise ValueError(f"keepalive_s must be in (0, channel_timeout_s = {self.channel_timeout_s}), "
+                             f"got {self.keepalive_s}")
         if self.dtype not in (None, "bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
 

@@ -316,3 +316,20 @@ def test_colocated_draft_serves_the_same_tokens(pair_dirs, local):
         c.close()
     finally:
         srv.kill()
+
+
+def test_an_idle_split_pair_outlives_its_channel_timeout(pair_dirs, local):
+    """Idle for twice the step channel's operation timeout: the keepalive pings keep the pair serving."""
+    srv = ServerProcess(*pair_dirs, "--no-colocate", "--channel-timeout", "2", "--keepalive", "0.5")
+    c = DSparkClient(srv.address)
+    try:
+        prompt = _prompts(1)[0]
+        ref = local.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))[0].token_ids
+        assert c.generate(prompt, temperature=0.0, max_tokens=16)["token_ids"] == ref
+        time.sleep(5)
+        assert c.health() == "SERVING"
+        out = c.generate(prompt, temperature=0.0, max_tokens=16, timeout=20)
+        assert out["token_ids"] == ref and out["stats"]["transfer_ms"] > 0
+    finally:
+        c.close()
+        srv.kill()
