@@ -9,6 +9,23 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray 2.60 default: keep token 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the CPU step channel stays on loopback
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _track_engines():
+    import block_invariant
+
+    block_invariant.track_engines()
+
+
+@pytest.fixture(autouse=True)
+def _blocks_free_when_idle():
+    """After every test, an idle engine has all its KV blocks free (in process and behind a live server)."""
+    import block_invariant
+
+    yield
+    leaks = block_invariant.engine_leaks() + block_invariant.server_leaks()
+    assert not leaks, "KV blocks not returned: " + "; ".join(leaks)
+
+
 @pytest.fixture(autouse=True)
 def _seeded_torch():
     """Every test starts from the same global RNG state: unseeded random inputs are the same on every run."""

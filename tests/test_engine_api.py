@@ -161,3 +161,14 @@ def test_requests_ending_at_their_first_token_leave_no_blocks_behind(pair):
         llm.step()
     assert long not in llm.scheduler.live_ids()
     assert llm.target.allocator.num_free == total and llm.draft.allocator.num_free == total
+
+
+def test_unseeded_requests_draw_fresh_randomness(pair):
+    """Two fresh engines (and two requests of one engine) sample differently unless a seed is given."""
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    a, b = _llm(pair), _llm(pair)
+    first = a.generate([PROMPT], params)[0].token_ids
+    assert first != b.generate([PROMPT], params)[0].token_ids
+    assert first != a.generate([PROMPT], params)[0].token_ids
+    seeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=7)
+    assert a.generate([PROMPT], seeded)[0].token_ids == b.generate([PROMPT], seeded)[0].token_ids

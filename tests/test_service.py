@@ -333,3 +333,23 @@ def test_an_idle_split_pair_outlives_its_channel_timeout(pair_dirs, local):
     finally:
         c.close()
         srv.kill()
+
+
+def test_cancelled_and_expired_requests_never_run_on(client):
+    """Deadlines that expire while a request is admitted, tokenized or decoding: none keeps running for nobody."""
+    def one(i):
+        try:
+            client.generate(_prompts(1)[0], temperature=0.0, max_tokens=3000, ignore_eos=True,
+                            timeout=0.005 * (i % 20 + 1))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    end = time.monotonic() + 5
+    while (s := client.server_stats()).num_running + s.num_waiting and time.monotonic() < end:
+        time.sleep(0.05)
+    assert s.num_running == s.num_waiting == 0
