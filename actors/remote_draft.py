@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dspark_serve.engine.draft_side import DraftInput, DraftProposal
+from dspark_serve.engine.draft_side import DraftInput, DraftProposal, DraftUnavailable
 from dspark_serve.engine.kv_cache import BlockAllocator
 
 from .channel import VerifierEnd
@@ -23,4 +23,7 @@ class RemoteDraft:
         self.ahead = None
 
     def propose(self, inp: DraftInput) -> DraftProposal:
-        return self.end.propose(inp)
+        try:
+            return self.end.propose(inp)
+        except (RuntimeError, OSError) as e:  # torch.distributed reports a lost peer as a RuntimeError
+            raise DraftUnavailable(f"the draft actor stopped answering: {e}") from e

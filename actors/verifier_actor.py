@@ -46,6 +46,9 @@ class VerifierActor:
         self._heartbeat = time.monotonic()
         self._counters = {"requests_finished": 0, "tokens_generated": 0, "steps": 0, "accepted": 0}
         self._thread: threading.Thread | None = None
+        self._new_draft: RemoteDraft | None = None  # a replacement draft, swapped in between steps
+        self._channel_lock = threading.Lock()  # the process-wide torch.distributed group: closed once, re-made once
+        self._channel_open = False
         if self.draft_cfg is None or cfg.colocate:  # no step channel to wait for
             self._build(None)
 
@@ -55,13 +58,39 @@ class VerifierActor:
 
     def connect(self, host: str, port: int, backend: str) -> bool:
         """Join the pair's process group (the draft calls its own connect at the same time)."""
-        dev = self.device if backend == "nccl" else torch.device("cpu")
-        end = VerifierEnd(host, port, backend, dev, self.draft_cfg.context_dim, torch.float32, 0,
-                          self.cfg.channel_timeout_s)
+        end = self._open_channel(host, port, backend)
         self._build(end)  # the receive dtype and vocab are known once the target is loaded
         end.feature_dtype = self.llm.target.model.lm_head.weight.dtype
         end.target_vocab = self.llm.target.vocab_size
         return True
+
+    def attach_draft(self, host: str, port: int, backend: str) -> bool:
+        """Join a replacement draft actor's process group; the step loop takes it between two steps. Requests
+        already running finish plainly; new ones speculate again."""
+        end = self._open_channel(host, port, backend)
+        end.feature_dtype = self.llm.target.model.lm_head.weight.dtype
+        end.target_vocab = self.llm.target.vocab_size
+        n = self.spec.num_speculative_tokens or self.draft_cfg.num_speculative_tokens
+        self._new_draft = RemoteDraft(end, n, self.draft_cfg.query_len, self.cfg.num_kv_blocks, self.cfg.block_size)
+        return True
+
+    def _open_channel(self, host: str, port: int, backend: str) -> VerifierEnd:
+        self._close_channel()
+        dev = self.device if backend == "nccl" else torch.device("cpu")
+        with self._channel_lock:
+            end = VerifierEnd(host, port, backend, dev, self.draft_cfg.context_dim, torch.float32, 0,
+                              self.cfg.channel_timeout_s)
+            self._channel_open = True
+        return end
+
+    def _close_channel(self) -> None:
+        with self._channel_lock:
+            if self._channel_open:
+                self._channel_open = False
+                try:
+                    torch.distributed.destroy_process_group()
+                except Exception:  # noqa: BLE001 - a group whose peer is gone may not close cleanly
+                    pass
 
     def _build(self, end: VerifierEnd | None) -> None:
         c = self.cfg
@@ -97,8 +126,12 @@ class VerifierActor:
                 for frame in frames:
                     self._apply(frame)
                 self._heartbeat = time.monotonic()
+                self._swap_draft()
                 if self.llm.has_unfinished():
+                    remote = self.llm.draft
                     self._publish(self.llm.scheduler.step())
+                    if remote is not None and self.llm.draft is None:  # the step found the draft gone
+                        self._close_channel()
                 else:
                     self._keep_channel_alive()
         except Exception:  # the loop must not die silently: health reports it, the gateway fails every stream
@@ -107,14 +140,26 @@ class VerifierActor:
         finally:
             self._stop = True
             if isinstance(self.llm.draft, RemoteDraft):
-                self.llm.draft.end.stop()
-                self.llm.draft.end.close()
+                try:
+                    self.llm.draft.end.stop()
+                except (RuntimeError, OSError):
+                    pass
+            self._close_channel()
             self.stream.close()
+
+    def _swap_draft(self) -> None:
+        new, self._new_draft = self._new_draft, None
+        if new is not None:
+            self.llm.set_draft(new)
 
     def _keep_channel_alive(self) -> None:
         draft = self.llm.draft
         if isinstance(draft, RemoteDraft) and time.monotonic() - draft.end.last_used > self.cfg.keepalive_s:
-            draft.end.ping()
+            try:
+                draft.end.ping()
+            except (RuntimeError, OSError):  # the draft is gone: plain decoding until a new one attaches
+                self.llm.set_draft(None)
+                self._close_channel()
 
     def _apply(self, frame: tuple) -> None:
         if frame[0] == "add":
@@ -148,11 +193,25 @@ class VerifierActor:
         return True
 
     def health(self, stall_s: float = 30.0) -> dict:
-        """ok is False when the loop died or has not come round for stall_s seconds (a step that long, or hung)."""
+        """ok is False when the loop died or has not come round for stall_s seconds (a step that long, or hung).
+        draft: "local" (in this actor), "remote" (over the step channel), "lost" (plain decoding until a new
+        draft actor attaches) or "none"."""
         age = time.monotonic() - self._heartbeat
         alive = self._thread is not None and self._thread.is_alive()
         return {"ok": alive and self._error is None and age < stall_s, "error": self._error,
-                "heartbeat_age_s": age}
+                "heartbeat_age_s": age, "draft": self.draft_state()}
+
+    def draft_state(self) -> str:
+        if self.draft_cfg is None:
+            return "none"
+        draft = self.llm.draft if self.llm is not None else None
+        return "lost" if draft is None else ("remote" if isinstance(draft, RemoteDraft) else "local")
+
+    def wait_stopped(self) -> str | None:
+        """Returns when the step loop has ended: its error, or None after a clean stop."""
+        if self._thread is not None:
+            self._thread.join()
+        return self._error
 
     def tokenizer_json(self) -> str | None:
         """The target's tokenizer, for the gateway (which tokenizes and detokenizes off the step loop)."""
@@ -169,7 +228,8 @@ class VerifierActor:
                 "total_draft_blocks": draft.allocator.num_blocks if draft else 0,
                 "requests_finished": c["requests_finished"], "tokens_generated": c["tokens_generated"],
                 "steps": c["steps"], "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1),
-                "draining": self._draining, "num_cuda_graphs": self.llm.num_cuda_graphs}
+                "draining": self._draining, "num_cuda_graphs": self.llm.num_cuda_graphs,
+                "speculating": self.draft_state() in ("local", "remote")}
 
     def model_info(self) -> dict:
         llm = self.llm

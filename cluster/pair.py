@@ -14,6 +14,9 @@ class Pair:
     draft: Any | None  # ActorHandle of actors.draft_actor.DraftActor
     placement_group: Any
     backend: str
+    cfg: PairConfig  # as resolved: device and colocate decided
+    gpus_per_actor: float = 0.0
+    serve_ref: Any = None  # the draft's serve() call: it fails when the draft actor dies
 
     def stream_client(self):
         """A blocking request-stream client (scripts and tests that drive the pair without a gateway)."""
@@ -22,6 +25,42 @@ class Pair:
         from dspark_serve.actors.request_stream import SyncStreamClient
 
         return SyncStreamClient(*ray.get(self.verifier.stream_address.remote(), timeout=60))
+
+    def spawn(self, cls: type, index: int) -> Any:
+        """An actor of `cls` in bundle `index` of the pair's placement group (0: verifier, 1: draft)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        c = self.cfg
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
+                                                    placement_group_bundle_index=index)
+        return ray.remote(cls).options(num_cpus=c.num_cpus, num_gpus=self.gpus_per_actor, max_concurrency=16,
+                                       scheduling_strategy=strategy, resources=dict(
+                                           c.target_resources if index == 0 else c.draft_resources)).remote(c)
+
+    def connect_draft(self, timeout_s: float, replacing: bool = False) -> None:
+        """Join the draft and the verifier over a new step channel and start the draft's serve loop."""
+        import ray
+
+        ray.get(self.draft.info.remote(), timeout=timeout_s)  # loaded and warmed up before the channel waits
+        host, port = ray.get(self.verifier.channel_address.remote(self.cfg.channel_host), timeout=timeout_s)
+        join = self.verifier.attach_draft if replacing else self.verifier.connect
+        ray.get([join.remote(host, port, self.backend), self.draft.connect.remote(host, port, self.backend)],
+                timeout=timeout_s)
+        self.serve_ref = self.draft.serve.remote()  # returns when the verifier sends STOP
+
+    def replace_draft(self, timeout_s: float = 600.0) -> None:
+        """A new draft actor in the draft's bundle, attached to the running verifier."""
+        import ray
+
+        from dspark_serve.actors.draft_actor import DraftActor
+
+        try:
+            ray.kill(self.draft)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.draft = self.spawn(DraftActor, 1)
+        self.connect_draft(timeout_s, replacing=True)
 
     def shutdown(self) -> None:
         import ray
@@ -73,7 +112,6 @@ def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
     """Place the verifier (bundle 0) and the draft (bundle 1), connect their channel, start the step loop."""
     import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from dspark_serve.actors.draft_actor import DraftActor
     from dspark_serve.actors.verifier_actor import VerifierActor
@@ -89,20 +127,10 @@ def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
     bundles = [bundle(cfg.target_resources)] + ([bundle(cfg.draft_resources)] if split else [])
     pg = placement_group(bundles, strategy=cfg.placement)
     ray.get(pg.ready(), timeout=timeout_s)
-
-    def spawn(cls, index: int):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
-        return ray.remote(cls).options(num_cpus=cfg.num_cpus, num_gpus=plan.gpus_per_actor, max_concurrency=16,
-                                       scheduling_strategy=strategy, resources=dict(
-                                           cfg.target_resources if index == 0 else cfg.draft_resources)).remote(cfg)
-
-    verifier = spawn(VerifierActor, 0)
-    draft = spawn(DraftActor, 1) if split else None
-    backend = plan.backend
-    if draft is not None:
-        host, port = ray.get(verifier.channel_address.remote(cfg.channel_host), timeout=timeout_s)
-        ray.get([verifier.connect.remote(host, port, backend), draft.connect.remote(host, port, backend)],
-                timeout=timeout_s)
-        draft.serve.remote()  # returns when the verifier sends STOP
-    ray.get(verifier.start.remote(), timeout=timeout_s)
-    return Pair(verifier, draft, pg, backend)
+    pair = Pair(None, None, pg, plan.backend, cfg, plan.gpus_per_actor)
+    pair.verifier = pair.spawn(VerifierActor, 0)
+    if split:
+        pair.draft = pair.spawn(DraftActor, 1)
+        pair.connect_draft(timeout_s)
+    ray.get(pair.verifier.start.remote(), timeout=timeout_s)
+    return pair

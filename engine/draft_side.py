@@ -26,6 +26,10 @@ DENSE_NVFP4_MAX_FRACTION = 0.02  # ... or fit in this share of the GPU's memory 
 DENSE_NVFP4_MIN_ROWS = 17  # ... and use them from this many rows on (measured: the GEMV wins at the draft's 7)
 
 
+class DraftUnavailable(RuntimeError):
+    """The draft cannot answer (its process or device is gone): the step is redone as plain decoding."""
+
+
 @dataclass(frozen=True)
 class DraftInput:
     """Everything the draft needs for one step; it is also what crosses the step channel to a remote draft."""

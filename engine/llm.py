@@ -66,16 +66,16 @@ class LLM:
             draft_model = draft_model.to(device)
         capture = draft_model.config.target_layer_ids if draft_model is not None else capture_layers
         self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture)
-        self.draft = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size) \
+        draft_side = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size) \
             if draft_model is not None else draft_side
         self.spec, self.max_model_len = spec, max_model_len
         if not (self.target.device.type != "cuda" if enforce_eager is None else enforce_eager):
-            drafts = self.draft.num_speculative_tokens if self.draft is not None else 0
+            drafts = draft_side.num_speculative_tokens if draft_side is not None else 0
             self.target.use_static_shapes((1, 1 + drafts) if drafts else (1,), max_model_len)
-            if isinstance(self.draft, DraftSide):
-                self.draft.use_static_shapes(max_model_len)
+            if isinstance(draft_side, DraftSide):
+                draft_side.use_static_shapes(max_model_len)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
-        self.scheduler = Scheduler(self.target, self.draft, spec, max_num_seqs=max_num_seqs,
+        self.scheduler = Scheduler(self.target, draft_side, spec, max_num_seqs=max_num_seqs,
                                    eos_token_ids=tuple(eos_token_ids or ()))
         self._ids = itertools.count()
         self._streams: dict[str, tuple[list[int], TextStream]] = {}  # request id -> (prompt ids, its text)
@@ -116,6 +116,15 @@ class LLM:
             for out in self.step():
                 if out.request_id == rid and out.finished:
                     return out
+
+    @property
+    def draft(self) -> DraftSide | Any:
+        """The draft side in use (a DraftSide, or one behind the step channel); None: plain decoding."""
+        return self.scheduler.draft
+
+    def set_draft(self, draft: DraftSide | Any) -> None:
+        """Swap the draft (None: plain decoding). Requests already queued or running go on plainly."""
+        self.scheduler.set_draft(draft)
 
     @property
     def max_speculative_tokens(self) -> int:

@@ -7,7 +7,7 @@ import time
 from collections import deque
 import torch
 
-from .draft_side import DraftSide
+from .draft_side import DraftSide, DraftUnavailable
 from .rejection import verify_mixed
 from .request import FinishReason, Request, StepOutput
 from .spec_config import SpeculativeConfig
@@ -108,9 +108,28 @@ class Scheduler:
                 self._make_room()
                 decoding = [r for r in self.running if r not in new]
                 if decoding:
-                    outputs += self._decode(decoding)
+                    try:
+                        outputs += self._decode(decoding)
+                    except DraftUnavailable:  # the step again, plainly: greedy tokens are the same
+                        self._drop_draft(None)
+                        outputs += self._decode(decoding)
                 self.running = [r for r in self.running if not r.is_finished]
             return outputs
+
+    def set_draft(self, draft: DraftSide | None) -> None:
+        """Swap the draft between steps (None: plain decoding). Requests already queued or running decode plainly
+        from here on: a new draft has none of their context."""
+        with self._lock:
+            self._drop_draft(draft)
+
+    def _drop_draft(self, draft: DraftSide | None) -> None:
+        with self._inbox_lock:
+            reqs = list(self.waiting) + self.running + self._adds
+        for r in reqs:
+            r.draft_blocks, r.pending_features, r.draft_context_len, r.last_survival = [], [], 0, None
+            r.num_speculative_tokens = 0
+        self.draft = draft
+        self.target.ahead = None
 
     def _pools(self) -> list:
         return [self.target.allocator] + ([self.draft.allocator] if self.draft is not None else [])
@@ -162,7 +181,7 @@ class Scheduler:
             _, feats = self.target.run(resumed, [(r.prompt_ids + r.output_ids)[:-1] for r in resumed], last_only=True)
             for r, f in zip(resumed, feats):
                 r.num_computed = r.num_tokens - 1
-                if f is not None:
+                if f is not None and self.draft is not None:
                     r.pending_features.append(f)
         return self._prefill_fresh(fresh) if fresh else []
 
@@ -178,7 +197,7 @@ class Scheduler:
         for r, f, tok in zip(reqs, feats, first):
             r.stats.first_token_ms = 1e3 * (now - r.stats.arrival)
             r.num_computed = len(r.prompt_ids)
-            if f is not None:
+            if f is not None and self.draft is not None:
                 r.pending_features.append(f)
             outputs.append(self._emit(r, [tok]))
         return outputs

@@ -159,7 +159,7 @@ def _finish(launched: Launched, rows, max_drafts: int) -> dict[Request, tuple[li
     out = {}
     for i in rows:
         r, a, k = launched.reqs[i], packed[i][0], launched.n[i]
-        _commit_cache(r, a, launched.feats[i])
+        _commit_cache(r, a, launched.feats[i] if max_drafts else None)  # plain decoding keeps no draft context
         _record(r, a, k, launched.draft_ms, (t - launched.launched_at) * 1e3, max_drafts)
         r.stats.transfer_ms += launched.proposal.transfer_ms if launched.proposal is not None else 0.0
         out[r] = (packed[i][1:a + 2], a, k)

@@ -173,7 +173,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "free_target_blocks", "total_target_blocks", "free_draft_blocks", "total_draft_blocks", "requests_finished", "tokens_generated", "mean_acceptance_length", "steps", "draining", "num_cuda_graphs")
+    __slots__ = ("num_running", "num_waiting", "free_target_blocks", "total_target_blocks", "free_draft_blocks", "total_draft_blocks", "requests_finished", "tokens_generated", "mean_acceptance_length", "steps", "draining", "num_cuda_graphs", "speculating")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_TARGET_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class ServerStats(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATING_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     free_target_blocks: int
@@ -198,4 +199,5 @@ class ServerStats(_message.Message):
     steps: int
     draining: bool
     num_cuda_graphs: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_target_blocks: _Optional[int] = ..., total_target_blocks: _Optional[int] = ..., free_draft_blocks: _Optional[int] = ..., total_draft_blocks: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., steps: _Optional[int] = ..., draining: _Optional[bool] = ..., num_cuda_graphs: _Optional[int] = ...) -> None: ...
+    speculating: bool
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_target_blocks: _Optional[int] = ..., total_target_blocks: _Optional[int] = ..., free_draft_blocks: _Optional[int] = ..., total_draft_blocks: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., steps: _Optional[int] = ..., draining: _Optional[bool] = ..., num_cuda_graphs: _Optional[int] = ..., speculating: _Optional[bool] = ...) -> None: ...
