@@ -44,5 +44,7 @@ class DraftActor:
         return "stopped"
 
     def info(self) -> dict:
+        import ray
+
         return {"device": str(self.device), "num_speculative_tokens": self.side.num_speculative_tokens,
-                "free_blocks": self.side.allocator.num_free}
+                "free_blocks": self.side.allocator.num_free, "node_id": ray.get_runtime_context().get_node_id()}

@@ -201,6 +201,11 @@ class VerifierActor:
         return {"ok": alive and self._error is None and age < stall_s, "error": self._error,
                 "heartbeat_age_s": age, "draft": self.draft_state()}
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def draft_state(self) -> str:
         if self.draft_cfg is None:
             return "none"
