@@ -52,7 +52,19 @@ def _resources(text: str | None, flag: str) -> tuple[tuple[str, float], ...]:
         raise SystemExit(f"dspark-serve serve: error: {flag} must be a JSON object of numbers, got {text!r}") from None
 
 
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key, else the environment's DSPARK_API_KEY (which keeps the key out of the process list)."""
+    import os
+
+    if args.api_key:
+        return tuple(args.api_key)
+    key = os.environ.get(API_KEY_ENV, "")
+    return (key,) if key else ()
+
+
 def _serve(args: argparse.Namespace) -> int:
+    import os
+
     from .config import GatewayConfig, PairConfig
     from .service import run
 
@@ -66,9 +78,18 @@ def _serve(args: argparse.Namespace) -> int:
                       draft_resources=_resources(args.draft_resources, "--draft-resources"))
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
                             drain_timeout_s=args.drain_timeout, max_prompt_chars=args.max_prompt_chars,
-                            stream_messages_per_s=args.stream_messages_per_s)
+                            stream_messages_per_s=args.stream_messages_per_s, max_request_bytes=args.max_request_bytes,
+                            max_control_request_bytes=args.max_control_request_bytes,
+                            max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
+                            max_stop_token_ids=args.max_stop_token_ids, max_abort_ids=args.max_abort_ids,
+                            api_keys=_api_keys(args), ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                            ssl_ca_certs=args.ssl_ca_certs, health_port=args.health_port)
     try:
         pair.validate()
+        gateway.validate()
+        for path in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"no such file: {path}")
         if args.speculative_config:
             from dspark_serve.engine.spec_config import SpeculativeConfig
 
@@ -132,7 +153,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
             raise ValueError(f"must be a JSON object, got {type(spec).__name__}")
     except ValueError as e:
         raise SystemExit(f"dspark-serve generate: error: speculative_config is not valid JSON: {e}") from None
-    client = DSparkClient(args.server, application=args.application)
+    client = DSparkClient(args.server, application=args.application, **_client_access(args))
     kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               max_tokens=args.max_tokens, ignore_eos=args.ignore_eos or None,
               num_speculative_tokens=spec.get("num_speculative_tokens"),
@@ -154,10 +175,22 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_access(args: argparse.Namespace) -> dict:
+    """DSparkClient's tls / root_certificates / api_key from --tls, --ssl-ca-certs, --api-key or DSPARK_API_KEY."""
+    import os
+
+    roots = None
+    if args.ssl_ca_certs:
+        with open(args.ssl_ca_certs, "rb") as f:
+            roots = f.read()
+    return {"tls": args.tls or roots is not None, "root_certificates": roots,
+            "api_key": args.api_key or os.environ.get(API_KEY_ENV) or None}
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .loadgen import main as loadgen
 
-    return loadgen(args)
+    return loadgen(args, _client_access(args))
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int]:
@@ -169,6 +202,15 @@ def _prompt(args: argparse.Namespace) -> str | list[int]:
         return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
     except ValueError:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+
+
+API_KEY_ENV = "DSPARK_API_KEY"
+
+
+def _add_client_access(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls", action="store_true", help="connect over TLS (the system's root certificates)")
+    p.add_argument("--ssl-ca-certs", help="PEM file of the root certificates that signed the server's (implies --tls)")
+    p.add_argument("--api-key", help=f"sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV})")
 
 
 # Subcommands that own their argument parsing: name -> (module, help). Each module has main(argv) -> int.
@@ -227,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_client_access(g)
     g.set_defaults(func=_generate)
     s = sub.add_parser("serve", help="start the draft+verifier pair on Ray and the gRPC gateway")
     s.add_argument("--target", required=True)
@@ -264,6 +307,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompt-chars", type=int,
                    help="longer text prompts are refused before tokenizing (default: 32 x --max-model-len)")
     s.add_argument("--drain-timeout", type=float, default=30.0)
+    s.add_argument("--api-key", nargs="+", help=f"require one of these keys on every dspark.v1 call ('authorization: "
+                                                 f"Bearer KEY'; default: ${API_KEY_ENV}); health and reflection stay "
+                                                 "open")
+    s.add_argument("--ssl-certfile", help="PEM certificate chain: serve over TLS (with --ssl-keyfile)")
+    s.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
+    s.add_argument("--ssl-ca-certs", help="PEM CA certificates: mutual TLS, clients must present a certificate "
+                                          "signed by one of them")
+    s.add_argument("--health-port", type=int, help="also serve grpc.health.v1 alone on this port, in plaintext (for "
+                                                   "Kubernetes gRPC probes, which speak no TLS)")
+    s.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest Generate request (default 4 MiB)")
+    s.add_argument("--max-control-request-bytes", type=int, default=64 << 10,
+                   help="largest Abort, GetModelInfo or GetServerStats request (default 64 KiB)")
+    s.add_argument("--max-stop-strings", type=int, default=64, help="stop strings per request (default 64)")
+    s.add_argument("--max-stop-string-chars", type=int, default=1024, help="characters per stop string (default 1024)")
+    s.add_argument("--max-stop-token-ids", type=int, default=256, help="stop token ids per request (default 256)")
+    s.add_argument("--max-abort-ids", type=int, default=1024, help="request ids per Abort call (default 1024)")
     s.set_defaults(func=_serve)
     b = sub.add_parser("bench", help="load generator against a running server: tokens/s, TTFT, TPOT, tau")
     b.add_argument("--server", required=True)
@@ -273,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--json", help="write the results here")
+    _add_client_access(b)
     b.set_defaults(func=_bench)
     for name, (_, text) in DELEGATED.items():  # listed in --help; parsed by their own modules
         sub.add_parser(name, help=text, add_help=False)

@@ -23,11 +23,21 @@ def stats_dict(s: pb.SpecStats) -> dict[str, Any]:
 
 
 class DSparkClient:
-    def __init__(self, address: str, application: str | None = None) -> None:
-        """`application`: the Serve application name, when calling through Ray Serve's gRPC proxy."""
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, application: str | None = None, *, tls: bool = False,
+                 root_certificates: bytes | None = None, private_key: bytes | None = None,
+                 certificate_chain: bytes | None = None, api_key: str | None = None) -> None:
+        """`application`: the Serve application name, when calling through Ray Serve's gRPC proxy. `tls`: connect
+        over TLS, trusting `root_certificates` (PEM; None: the system's); `private_key` and `certificate_chain`
+        (PEM) are this client's certificate for mutual TLS. `api_key`: sent as `authorization: Bearer KEY`."""
+        if tls or root_certificates is not None or certificate_chain is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self.channel = grpc.secure_channel(address, creds)
+        else:
+            self.channel = grpc.insecure_channel(address)
         self.stub = dspark_pb2_grpc.GenerationStub(self.channel)
-        self.metadata = (("application", application),) if application else None
+        metadata = ([("application", application)] if application else []) + (
+            [("authorization", f"Bearer {api_key}")] if api_key else [])
+        self.metadata = tuple(metadata) or None
 
     def close(self) -> None:
         self.channel.close()

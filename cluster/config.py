@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -50,7 +50,29 @@ class GatewayConfig:
     port: int = 50051  # 0: any free port
     max_queue: int = 256  # queued + running requests before RESOURCE_EXHAUSTED
     max_request_bytes: int = 4 << 20  # larger Generate requests get INVALID_ARGUMENT
+    max_control_request_bytes: int = 64 << 10  # the same for Abort, GetModelInfo and GetServerStats
+    max_stop_strings: int = 64  # per request
+    max_stop_string_chars: int = 1024  # each
+    max_stop_token_ids: int = 256  # per request
+    max_abort_ids: int = 1024  # per Abort call
     max_prompt_chars: int | None = None  # a longer text prompt is refused before tokenizing; None: 32 x max_model_len
     stream_messages_per_s: float = 6000.0  # chunk messages the gateway aims to send per second over all streams:
     # with many streams each gets one every live / this seconds at most, carrying every step since its last
     drain_timeout_s: float = 30.0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # any: each dspark.v1 call needs one as a bearer key
+    ssl_certfile: str | None = None  # with ssl_keyfile: TLS
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None  # mutual TLS: clients present a certificate signed by one of these
+    health_port: int | None = None  # also serve grpc.health.v1 alone here, in plaintext (kubelet probes speak no TLS)
+
+    def validate(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("TLS needs both ssl_certfile and ssl_keyfile")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_ca_certs (mutual TLS) needs ssl_certfile and ssl_keyfile")
+        if any(not k or k != k.strip() for k in self.api_keys):
+            raise ValueError("an API key must be non-empty, without surrounding whitespace")
+        for name in ("max_request_bytes", "max_control_request_bytes", "max_stop_strings", "max_stop_string_chars",
+                     "max_stop_token_ids", "max_abort_ids", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -6,8 +6,27 @@ from dspark_serve.engine.detokenize import TextStream
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
+from .config import GatewayConfig
+
 _FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos")
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORTED}
+MAX_REQUEST_ID_CHARS = 256
+
+
+def check_limits(req: pb.GenerateRequest, cfg: GatewayConfig) -> None:
+    """The bounds on what one request may make the gateway hold. Raises ValueError naming the field and the limit."""
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id has {len(req.request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
+    s = req.sampling
+    if len(s.stop) > cfg.max_stop_strings:
+        raise ValueError(f"sampling.stop has {len(s.stop)} strings; the limit is {cfg.max_stop_strings}")
+    longest = max(map(len, s.stop), default=0)
+    if longest > cfg.max_stop_string_chars:
+        raise ValueError(f"sampling.stop has a string of {longest} characters; the limit is "
+                         f"{cfg.max_stop_string_chars}")
+    if len(s.stop_token_ids) > cfg.max_stop_token_ids:
+        raise ValueError(f"sampling.stop_token_ids has {len(s.stop_token_ids)} ids; the limit is "
+                         f"{cfg.max_stop_token_ids}")
 
 
 def sampling_params(msg: pb.SamplingParams, max_tokens_limit: int) -> dict:

@@ -51,6 +51,7 @@ class GatewayCore:
     def __init__(self, verifier: Any, model_info: dict, cfg: GatewayConfig) -> None:
         self.verifier, self.info, self.cfg = verifier, model_info, cfg
         self.live: dict[str, _Live] = {}
+        self.keys: dict[tuple[str, str], str] = {}  # (caller, request_id) -> the running request's key in live
         self.draining = False
         self.token_text: TokenText | None = None
         self.conn: StreamClient | None = None
@@ -105,6 +106,7 @@ class GatewayCore:
     def _validate(self, req: pb.GenerateRequest) -> tuple[Any, dict, int | None, float | None]:
         if req.ByteSize() > self.cfg.max_request_bytes:
             raise ValueError(f"request is {req.ByteSize()} bytes; the limit is {self.cfg.max_request_bytes}")
+        convert.check_limits(req, self.cfg)
         info = self.info
         prompt = convert.prompt(req, info["vocab_size"], info["max_model_len"])
         if isinstance(prompt, str):
@@ -131,7 +133,10 @@ class GatewayCore:
         convert.check_prompt_length(len(ids), self.info["max_model_len"])
         return ids
 
-    async def generate(self, req: pb.GenerateRequest, deadline_s: float | None) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, req: pb.GenerateRequest, deadline_s: float | None,
+                       caller: str) -> AsyncIterator[pb.GenerateResponse]:
+        """`caller` (auth.Access) scopes request ids: callers may pick the same id. The step loop knows each
+        request by a fresh random key, so an id reused right after a cancel never meets its predecessor there."""
         if self.draining:
             raise GatewayError("UNAVAILABLE", "server is draining; retry on another replica")
         try:
@@ -141,13 +146,14 @@ class GatewayCore:
         if len(self.live) >= self.cfg.max_queue:
             raise GatewayError("RESOURCE_EXHAUSTED", f"queue full ({self.cfg.max_queue} requests); retry later")
         rid = req.request_id or secrets.token_hex(16)
-        if rid in self.live:
+        if (caller, rid) in self.keys:
             raise GatewayError("ALREADY_EXISTS", f"request_id {rid!r} is already running")
         if self.conn is None or self.conn.writer.is_closing():
             raise GatewayError("UNAVAILABLE", UNAVAILABLE)
         loop = asyncio.get_running_loop()
         end = None if deadline_s is None else loop.time() + deadline_s
-        live = self.live[rid] = _Live(text_stream(self.token_text, params.pop("stop")), 0)
+        key = self.keys[caller, rid] = secrets.token_hex(16)
+        live = self.live[key] = _Live(text_stream(self.token_text, params.pop("stop")), 0)
         finished = False
         try:
             try:
@@ -157,7 +163,7 @@ class GatewayCore:
             except asyncio.TimeoutError:
                 raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded while tokenizing the prompt") from None
             live.num_prompt_tokens = len(ids)
-            self.conn.send(("add", rid, ids, params, n, threshold))
+            self.conn.send(("add", key, ids, params, n, threshold))
             sent = None  # when the last chunk went out
             while not finished:
                 try:
@@ -168,17 +174,23 @@ class GatewayCore:
                     raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded; the request was aborted") from None
                 items, live.pending = live.pending, []
                 live.wake.clear()
-                response, final = self._take(rid, live, items)
+                try:
+                    response, final = self._take(key, live, items)
+                except GatewayError as e:  # the step loop names the request by its key; the client knows its id
+                    raise GatewayError(e.code, e.message.replace(key, rid)) from None
                 if response is not None:
                     sent = loop.time()
+                    response.request_id = rid
                     yield response
                 if final is not None:
                     finished = True
+                    final.request_id = rid
                     yield final
         finally:
-            self.live.pop(rid, None)
+            self.live.pop(key, None)
+            self.keys.pop((caller, rid), None)
             if not finished and self.conn is not None:  # client gone, deadline, or error: free its blocks
-                self.conn.send(("abort", [rid]))
+                self.conn.send(("abort", [key]))
 
     async def _pace(self, live: _Live, sent: float) -> None:
         """Hold a stream's next chunk until its share of the message rate allows it (a final is never held): with
@@ -214,18 +226,33 @@ class GatewayCore:
         chunk = convert.chunk(rid, ids, delta, len(live.text.token_ids)) if ids or delta else None
         return chunk, final
 
-    async def abort(self, ids: list[str]) -> list[str]:
-        known = [rid for rid in dict.fromkeys(ids) if rid in self.live]
-        if known and self.conn is not None:
-            self.conn.send(("abort", known))
+    async def abort(self, ids: list[str], caller: str) -> list[str]:
+        """Only the caller's own requests; -> the ids that were running."""
+        if len(ids) > self.cfg.max_abort_ids:
+            raise GatewayError("INVALID_ARGUMENT", f"request_ids has {len(ids)} ids; the limit is "
+                                                   f"{self.cfg.max_abort_ids}")
+        self._check_pair()
+        known = [rid for rid in dict.fromkeys(ids) if (caller, rid) in self.keys]
+        if known:
+            self.conn.send(("abort", [self.keys[caller, rid] for rid in known]))
         return known
 
+    def _check_pair(self) -> None:
+        """The request stream ends only when the pair is gone (the pump returns then)."""
+        if self.conn is None or self._pump is None or self._pump.done() or self.conn.writer.is_closing():
+            raise GatewayError("UNAVAILABLE", UNAVAILABLE)
+
     async def server_stats(self) -> pb.ServerStats:
-        s = await asyncio.wait_for(self.verifier.stats.remote(), PAIR_TIMEOUT_S)
+        self._check_pair()
+        try:
+            s = await asyncio.wait_for(self.verifier.stats.remote(), PAIR_TIMEOUT_S)
+        except Exception:  # a dead or stalled actor: its error names actors and addresses, so say only that
+            raise GatewayError("UNAVAILABLE", UNAVAILABLE) from None
         s["draining"] = s["draining"] or self.draining
         return pb.ServerStats(**s)
 
     def model_info(self) -> pb.ModelInfo:
+        self._check_pair()
         return pb.ModelInfo(**self.info)
 
     async def drain(self, timeout_s: float) -> None:

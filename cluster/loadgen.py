@@ -43,14 +43,14 @@ def _one(client: DSparkClient, prompt, args: argparse.Namespace, out: list) -> N
                 "accepted": stats.num_accepted_tokens, "transfer_ms": stats.transfer_ms})
 
 
-def run_level(address: str, concurrency: int, args: argparse.Namespace) -> dict:
+def run_level(address: str, concurrency: int, args: argparse.Namespace, access: dict | None = None) -> dict:
     prompts = _prompts(args.prompt_file, args.num_requests)
     results: list = []
     lock = threading.Lock()
     todo = list(prompts)
 
     def worker() -> None:
-        client = DSparkClient(address)
+        client = DSparkClient(address, **(access or {}))
         while True:
             with lock:
                 if not todo:
@@ -76,10 +76,11 @@ def run_level(address: str, concurrency: int, args: argparse.Namespace) -> dict:
             "transfer_ms_per_step": sum(r["transfer_ms"] for r in ok) / max(steps, 1)}
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, access: dict | None = None) -> int:
+    """`access`: DSparkClient's tls, root_certificates and api_key."""
     rows = []
     for c in args.concurrency:
-        rows.append(run_level(args.server, c, args))
+        rows.append(run_level(args.server, c, args, access))
         r = rows[-1]
         print(f"concurrency {c:>3}: {r['tokens_per_s']:8.1f} tok/s  TTFT p50 {r['ttft_ms_p50']:7.1f} ms  "
               f"TPOT p50 {r['tpot_ms_p50']:6.2f} ms  tau {r['tau']:.2f}  channel {r['transfer_ms_per_step']:.3f} "

@@ -3,6 +3,9 @@
 The pair's actors get their own GPUs and placement group (bundle 0 verifier, bundle 1 draft), steered by custom
 resources onto the target-gpu / draft-gpu worker groups. The step loop runs inside the pair; the replica only
 long-polls outputs, so no per-token hop is added. `import_path: dspark_serve.cluster.serve_app:app`.
+
+With `api_key` (or DSPARK_API_KEY in the replica's environment) every call needs `authorization: Bearer KEY`, checked
+here. Serve's gRPC proxy serves plaintext: TLS is terminated in front of it (an ingress or load balancer).
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ import asyncio
 import tempfile
 from typing import Any
 
-import grpc
 from ray import serve
 
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
+from .auth import Access
 from .config import GatewayConfig, PairConfig
-from .handlers import GatewayCore, GatewayError
+from .handlers import GatewayCore
+from .servicer import status
 
 BUILTIN_TINY = "builtin:tiny"  # a tiny constructed pair written at startup (laptop / CI demo)
 
@@ -34,8 +38,10 @@ class DSpark:
                  max_num_seqs: int = 64, max_model_len: int = 4096, placement: str = "PACK",
                  target_resources: dict[str, float] | None = None, draft_resources: dict[str, float] | None = None,
                  max_queue: int = 256, max_request_bytes: int = 4 << 20, channel_host: str | None = None,
-                 num_cpus: float = 1.0, colocate: bool | None = None, cpu_threads: int = 0) -> None:
+                 num_cpus: float = 1.0, colocate: bool | None = None, cpu_threads: int = 0,
+                 api_key: str | None = None) -> None:
         import json
+        import os
 
         import ray
 
@@ -56,6 +62,8 @@ class DSpark:
         info = ray.get(self.pair.verifier.model_info.remote())
         self.core = GatewayCore(self.pair.verifier, info, GatewayConfig(max_queue=max_queue,
                                                                         max_request_bytes=max_request_bytes))
+        key = api_key or os.environ.get("DSPARK_API_KEY")
+        self.access = Access((key,) if key else ())
         self._started: asyncio.Task | None = None
 
     async def _ready(self) -> None:
@@ -65,25 +73,37 @@ class DSpark:
         await asyncio.shield(self._started)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any = None):
-        await self._ready()
         try:
-            async for response in self.core.generate(request, None):
+            caller = self.access.caller(grpc_context)
+            await self._ready()
+            async for response in self.core.generate(request, None, caller):
                 yield response
-        except GatewayError as e:  # a code set on the context before raising is what Serve's proxy returns
-            if grpc_context is not None:
-                grpc_context.set_code(getattr(grpc.StatusCode, e.code))
-                grpc_context.set_details(e.message)
-            raise
+        except Exception as e:
+            _fail(grpc_context, e)
 
-    async def Abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
-        await self._ready()
-        return pb.AbortResponse(aborted=await self.core.abort(list(request.request_ids)))
+    async def Abort(self, request: pb.AbortRequest, grpc_context: Any = None) -> pb.AbortResponse:
+        try:
+            caller = self.access.caller(grpc_context)
+            await self._ready()
+            return pb.AbortResponse(aborted=await self.core.abort(list(request.request_ids), caller))
+        except Exception as e:
+            _fail(grpc_context, e)
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
-        return self.core.model_info()
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, grpc_context: Any = None) -> pb.ModelInfo:
+        try:
+            self.access.caller(grpc_context)
+            await self._ready()
+            return self.core.model_info()
+        except Exception as e:
+            _fail(grpc_context, e)
 
-    async def GetServerStats(self, request: pb.GetServerStatsRequest) -> pb.ServerStats:
-        return await self.core.server_stats()
+    async def GetServerStats(self, request: pb.GetServerStatsRequest, grpc_context: Any = None) -> pb.ServerStats:
+        try:
+            self.access.caller(grpc_context)
+            await self._ready()
+            return await self.core.server_stats()
+        except Exception as e:
+            _fail(grpc_context, e)
 
     async def check_health(self) -> None:
         """The real request path: a dead or stalled step loop fails the replica."""
@@ -95,6 +115,15 @@ class DSpark:
         pair = getattr(self, "pair", None)
         if pair is not None:
             pair.shutdown()
+
+
+def _fail(grpc_context: Any, e: Exception) -> None:
+    """Serve's proxy answers with the code set on the context before the method raises."""
+    code, message = status(e)
+    if grpc_context is not None:
+        grpc_context.set_code(code)
+        grpc_context.set_details(message)
+    raise RuntimeError(message) from None
 
 
 def app(args: dict[str, Any]) -> serve.Application:

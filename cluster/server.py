@@ -1,4 +1,5 @@
-"""Gateway lifecycle: start the grpc.aio server (service, health, reflection), drain on SIGTERM, stop."""
+"""Gateway lifecycle: start the grpc.aio server (service, health, reflection; TLS when configured), drain on
+SIGTERM, stop."""
 
 from __future__ import annotations
 
@@ -10,18 +11,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from dspark_serve.protos.dspark.v1 import dspark_pb2_grpc
-
+from .auth import Access
 from .config import GatewayConfig
 from .handlers import GatewayCore
 from .health import Health
-from .servicer import SERVICE_NAME, GenerationServicer
+from .servicer import SERVICE_NAME, GenerationServicer, rpc_handlers
 
 
 class GatewayServer:
     def __init__(self, verifier: Any, cfg: GatewayConfig) -> None:
         self.verifier, self.cfg = verifier, cfg
         self.server: grpc.aio.Server | None = None
+        self.probe_server: grpc.aio.Server | None = None  # plaintext grpc.health.v1 only, for kubelet probes
         self.core: GatewayCore | None = None
         self.health = Health()
         self.port = 0
@@ -31,17 +32,29 @@ class GatewayServer:
     async def start(self) -> int:
         info = await self.verifier.model_info.remote()
         self.core = GatewayCore(self.verifier, info, self.cfg)
-        limit = max(64 << 20, 2 * self.cfg.max_request_bytes)  # our own size check answers INVALID_ARGUMENT
+        # Up to twice the largest limit a body reaches our readers, which answer INVALID_ARGUMENT naming the limit;
+        # grpc refuses anything larger from its length prefix, before reading it.
+        limit = 2 * max(self.cfg.max_request_bytes, self.cfg.max_control_request_bytes)
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                               ("grpc.max_send_message_length", limit)])
-        dspark_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.core), self.server)
+                                               ("grpc.max_send_message_length", max(limit, 64 << 20))])
+        servicer = GenerationServicer(self.core, Access(self.cfg.api_keys))
+        self.server.add_registered_method_handlers(SERVICE_NAME, rpc_handlers(servicer, self.cfg))
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        credentials = _tls(self.cfg)
+        self.port = (self.server.add_secure_port(address, credentials) if credentials is not None
+                     else self.server.add_insecure_port(address))
+        if self.cfg.health_port is not None:
+            self.probe_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, self.probe_server)
+            self.probe_server.add_insecure_port(f"{self.cfg.host}:{self.cfg.health_port}")
         await self.core.start()
         await self.server.start()
+        if self.probe_server is not None:
+            await self.probe_server.start()
         await self.health.set(True)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.health.watch_pair(self.verifier, lambda: self.core.draining)))
@@ -68,7 +81,23 @@ class GatewayServer:
             await self.core.close()
         if self.server is not None:
             await self.server.stop(grace_s)
+        if self.probe_server is not None:
+            await self.probe_server.stop(0)
         self._stopped.set()
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+
+def _tls(cfg: GatewayConfig) -> grpc.ServerCredentials | None:
+    """Server credentials from PEM files; with ssl_ca_certs every client must present a certificate signed by it."""
+    if cfg.ssl_certfile is None:
+        return None
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    ca = read(cfg.ssl_ca_certs) if cfg.ssl_ca_certs else None
+    return grpc.ssl_server_credentials([(read(cfg.ssl_keyfile), read(cfg.ssl_certfile))], root_certificates=ca,
+                                       require_client_auth=ca is not None)

@@ -11,7 +11,14 @@ from .config import GatewayConfig, PairConfig
 
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> None:
-    """Join `address`, or start an embedded single-node Ray bound to loopback. Token auth stays as Ray sets it."""
+    """Join `address`, or start an embedded single-node Ray whose servers all bind loopback (call it before ray is
+    imported). Token auth stays as Ray sets it (RAY_AUTH_MODE)."""
+    import os
+
+    if not address:
+        # Ray swaps a loopback node address for the host's IP, and its servers then listen on every interface,
+        # unless it runs as a local-only instance; set before the import, so Ray's own processes inherit it too.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
     if address:
@@ -39,9 +46,9 @@ async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[
 
 
 def run(pair_cfg: PairConfig, gw_cfg: GatewayConfig, address: str | None, num_cpus: int | None) -> int:
+    start_ray(address, num_cpus)
     import ray
 
-    start_ray(address, num_cpus)
     if not address and pair_cfg.channel_host is None:
         pair_cfg = replace(pair_cfg, channel_host="127.0.0.1")
 
