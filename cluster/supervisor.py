@@ -17,9 +17,11 @@ RETRY_S = 2.0  # between attempts to place a replacement (its node may still be 
 
 class PairSupervisor:
     def __init__(self, cfg: PairConfig, pair: Pair, on_lost: Callable[[], Awaitable[None]],
-                 on_new_pair: Callable[[Pair], Awaitable[None]]) -> None:
+                 on_new_pair: Callable[[Pair], Awaitable[None]],
+                 draining: Callable[[], bool] = lambda: False) -> None:
+        """`draining()` true: the service is stopping, so a lost pair is not replaced."""
         self.cfg, self.pair = cfg, pair
-        self.on_lost, self.on_new_pair = on_lost, on_new_pair
+        self.on_lost, self.on_new_pair, self.draining = on_lost, on_new_pair, draining
         self.stopping = False
         self.restarts = {"draft": 0, "pair": 0}
 
@@ -32,7 +34,7 @@ class PairSupervisor:
             await watch[0]  # the draft's watcher ends with its pair
             for task in watch[1:]:
                 task.cancel()
-            if self.stopping:
+            if self.stopping or self.draining():
                 return
             await self.on_lost()
             await self._new_pair(pair)
