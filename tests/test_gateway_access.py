@@ -185,8 +185,14 @@ def test_cli_generate_over_tls_with_the_key_from_the_environment(tls_server, pki
 
 
 def _grpcurl() -> str | None:
-    return shutil.which("grpcurl") or next((str(p) for p in [Path(sys.executable).parent / "grpcurl"]
-                                            if p.exists()), None)
+    """The grpcurl on PATH or beside this Python (the test extra installs one), if it runs here."""
+    for path in (shutil.which("grpcurl"), str(Path(sys.executable).parent / "grpcurl")):
+        try:
+            if path and subprocess.run([path, "-version"], capture_output=True, timeout=30).returncode == 0:
+                return path
+        except OSError:
+            pass
+    return None
 
 
 def test_grpcurl_over_tls_with_the_key(tls_server, pki):
