@@ -176,14 +176,21 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 def _client_access(args: argparse.Namespace) -> dict:
-    """DSparkClient's tls / root_certificates / api_key from --tls, --ssl-ca-certs, --api-key or DSPARK_API_KEY."""
+    """DSparkClient's TLS and key options from --tls, --ssl-ca-certs, --ssl-certfile / --ssl-keyfile (a client
+    certificate, for mutual TLS), --api-key or DSPARK_API_KEY."""
     import os
 
-    roots = None
-    if args.ssl_ca_certs:
-        with open(args.ssl_ca_certs, "rb") as f:
-            roots = f.read()
-    return {"tls": args.tls or roots is not None, "root_certificates": roots,
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise SystemExit("dspark-serve: error: a client certificate needs both --ssl-certfile and --ssl-keyfile")
+    roots = read(args.ssl_ca_certs)
+    return {"tls": args.tls or roots is not None or args.ssl_certfile is not None, "root_certificates": roots,
+            "certificate_chain": read(args.ssl_certfile), "private_key": read(args.ssl_keyfile),
             "api_key": args.api_key or os.environ.get(API_KEY_ENV) or None}
 
 
@@ -210,6 +217,8 @@ API_KEY_ENV = "DSPARK_API_KEY"
 def _add_client_access(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", action="store_true", help="connect over TLS (the system's root certificates)")
     p.add_argument("--ssl-ca-certs", help="PEM file of the root certificates that signed the server's (implies --tls)")
+    p.add_argument("--ssl-certfile", help="PEM client certificate, for a server with mutual TLS (with --ssl-keyfile)")
+    p.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
     p.add_argument("--api-key", help=f"sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV})")
 
 

@@ -223,6 +223,12 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(mtls_server, pki):
     c = _client(mtls_server, pki, cert="alice")
     assert c.model_info().vocab_size == 512
     c.close()
+    folder = pki["ca"].parent
+    out = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", "generate", "--server", mtls_server.address,
+                          "--ssl-ca-certs", str(pki["ca"]), "--ssl-certfile", str(folder / "bob.pem"), "--ssl-keyfile",
+                          str(folder / "bob.key"), "--prompt-ids", "1,2", "--max-tokens", "3", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and len(json.loads(out.stdout)["token_ids"]) == 3, out.stderr
 
 
 def test_two_certificates_share_a_request_id(mtls_server, pki):
