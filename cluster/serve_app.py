@@ -41,7 +41,6 @@ class DSpark:
                  num_cpus: float = 1.0, colocate: bool | None = None, cpu_threads: int = 0,
                  api_key: str | None = None) -> None:
         import json
-        import os
 
         import ray
 
@@ -62,8 +61,7 @@ class DSpark:
         info = ray.get(self.pair.verifier.model_info.remote())
         self.core = GatewayCore(self.pair.verifier, info, GatewayConfig(max_queue=max_queue,
                                                                         max_request_bytes=max_request_bytes))
-        key = api_key or os.environ.get("DSPARK_API_KEY")
-        self.access = Access((key,) if key else ())
+        self.access = _access(api_key)
         self._started: asyncio.Task | None = None
 
     async def _ready(self) -> None:
@@ -115,6 +113,14 @@ class DSpark:
         pair = getattr(self, "pair", None)
         if pair is not None:
             pair.shutdown()
+
+
+def _access(api_key: str | None) -> Access:
+    """The key from the app's args, else DSPARK_API_KEY in the replica's environment (on Kubernetes, a Secret)."""
+    import os
+
+    key = api_key or os.environ.get("DSPARK_API_KEY")
+    return Access((key,) if key else ())
 
 
 def _fail(grpc_context: Any, e: Exception) -> None:

@@ -327,3 +327,56 @@ def test_manifests_take_the_key_and_certificates_from_secrets():
     for group in service["workerGroupSpecs"]:  # where the Serve replica runs
         [container] = group["template"]["spec"]["containers"]
         assert any(e["name"] == "DSPARK_API_KEY" and "secretKeyRef" in e["valueFrom"] for e in container["env"])
+
+
+class _ServeContext:
+    """What Ray Serve's gRPC proxy hands a replica method: metadata, peer, and the code to answer with."""
+
+    def __init__(self, metadata=()):
+        self.metadata, self.code, self.details = list(metadata), None, None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def peer(self):
+        return "ipv4:10.0.0.7:4242"
+
+    def peer_identities(self):
+        return None
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+def test_the_serve_app_checks_the_key_from_the_environment(monkeypatch):
+    """The replica's methods, without a pair: the key comes from the app's args or DSPARK_API_KEY, and a refusal is
+    set on the context (what Serve's proxy answers with) before the request reaches the core."""
+    import asyncio
+
+    from dspark_serve.cluster import serve_app
+    from dspark_serve.cluster.handlers import GatewayError
+
+    monkeypatch.setenv("DSPARK_API_KEY", KEY_A)
+    replica = object.__new__(serve_app.DSpark.func_or_class)
+
+    async def reached():  # where a call with a good key goes next
+        raise GatewayError("NOT_FOUND", "reached the core")
+
+    replica._ready = reached
+    for access, good in ((serve_app._access(None), KEY_A), (serve_app._access(KEY_B), KEY_B)):
+        replica.access = access
+        for metadata, details in (((), "missing metadata 'authorization: Bearer <api key>'"),
+                                  ((("authorization", "Bearer nope"),), "invalid API key"),
+                                  ((("authorization", f"Bearer {KEY_A if good == KEY_B else KEY_B}"),),
+                                   "invalid API key"),
+                                  ((("authorization", f"Bearer {good}"),), "reached the core")):
+            ctx = _ServeContext(metadata)
+            with pytest.raises(RuntimeError):
+                asyncio.run(replica.GetModelInfo(pb.GetModelInfoRequest(), grpc_context=ctx))
+            code = grpc.StatusCode.NOT_FOUND if details == "reached the core" else grpc.StatusCode.UNAUTHENTICATED
+            assert (ctx.code, ctx.details) == (code, details)
+    monkeypatch.delenv("DSPARK_API_KEY")
+    assert serve_app._access(None).caller(_ServeContext()).startswith("peer:")  # no key asked for
