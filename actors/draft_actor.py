@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dspark_serve.engine.draft_side import DraftSide
+from dspark_serve.engine.llm import context_limit
 from dspark_serve.engine.spec_config import SpeculativeConfig
 from dspark_serve.models.draft_config import DraftConfig
 from dspark_serve.models.draft_loader import load_draft
@@ -25,7 +26,7 @@ class DraftActor:
         model = load_draft(cfg.draft, target=heads, dtype=dtype).to(self.device)
         self.side = DraftSide(model, cfg.num_kv_blocks, cfg.block_size, spec, heads.config.vocab_size)
         if self.device.type == "cuda" and not cfg.enforce_eager:
-            self.side.use_static_shapes(cfg.max_model_len)
+            self.side.use_static_shapes(context_limit(cfg.max_model_len, heads.config.max_position))
             self.side.warm_up(cfg.max_num_seqs)  # every batch bucket's graphs now, not during requests
         self.config: DraftConfig = model.config
         self.feature_dtype = dtype or heads.config.dtype

@@ -86,6 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
                             ssl_ca_certs=args.ssl_ca_certs, health_port=args.health_port)
     try:
         pair.validate()
+        _check_context_limit(args.target, args.max_model_len)
         gateway.validate()
         for path in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs):
             if path is not None and not os.path.isfile(path):
@@ -97,6 +98,20 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"dspark-serve serve: error: {e}") from None
     return run(pair, gateway, args.address, args.num_cpus)
+
+
+def _check_context_limit(target: str, max_model_len: int | None) -> None:
+    """Refuse a --max-model-len past the target's max_position_embeddings before anything starts."""
+    import json
+    from pathlib import Path
+
+    config = Path(target) / "config.json"
+    if max_model_len is None or not config.is_file():
+        return
+    limit = int(json.loads(config.read_text()).get("max_position_embeddings", 32768))
+    if not 1 < max_model_len <= limit:
+        raise ValueError(f"--max-model-len must be in [2, {limit}] (the target's max_position_embeddings), "
+                         f"got {max_model_len}")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -307,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--num-kv-blocks", type=int, default=2048)
     s.add_argument("--max-num-seqs", type=int, default=64)
-    s.add_argument("--max-model-len", type=int, default=4096)
+    s.add_argument("--max-model-len", type=int,
+                   help="longest prompt + output (default: the target's max_position_embeddings; larger is refused)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
     s.add_argument("--max-queue", type=int, default=256)
     s.add_argument("--stream-messages-per-s", type=float, default=6000.0,

@@ -17,7 +17,7 @@ class PairConfig:
     block_size: int = 16
     num_kv_blocks: int = 2048
     max_num_seqs: int = 64
-    max_model_len: int = 4096
+    max_model_len: int | None = None  # None: the target's max_position_embeddings
     enforce_eager: bool = False  # vLLM's name: True turns off the CUDA graphs (static-shape steps) on GPUs
     placement: str = "PACK"  # PACK: one node if possible; SPREAD: draft and verifier on different nodes
     colocate: bool | None = None  # the draft inside the verifier actor (no step channel, drafting ahead); None:

@@ -59,17 +59,32 @@ class GatewayCore:
         self._pump: asyncio.Task | None = None
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        tokenizer_json = await asyncio.wait_for(self.verifier.tokenizer_json.remote(), PAIR_TIMEOUT_S)
-        if tokenizer_json is not None:
-            self.token_text = await loop.run_in_executor(self._pool, _token_text, tokenizer_json)
-        host, port, secret = await asyncio.wait_for(self.verifier.stream_address.remote(), PAIR_TIMEOUT_S)
-        self.conn = await StreamClient.connect(host, port, secret)
-        self._pump = loop.create_task(self._pump_frames())
+        await self.attach(self.verifier)
         # What is alive now (the tokenizer's tables, Ray's and grpc's state) leaves the cyclic collector's view:
         # a full collection walking it would stall every stream at once.
         gc.collect()
         gc.freeze()
+
+    async def attach(self, verifier: Any) -> None:
+        """Connect to a (new) verifier's request stream; the tokenizer is fetched once."""
+        loop = asyncio.get_running_loop()
+        self.verifier = verifier
+        if self.token_text is None:
+            tokenizer_json = await asyncio.wait_for(verifier.tokenizer_json.remote(), PAIR_TIMEOUT_S)
+            if tokenizer_json is not None:
+                self.token_text = await loop.run_in_executor(self._pool, _token_text, tokenizer_json)
+        host, port, secret = await asyncio.wait_for(verifier.stream_address.remote(), PAIR_TIMEOUT_S)
+        self.conn = await StreamClient.connect(host, port, secret)
+        self._pump = loop.create_task(self._pump_frames(self.conn))
+
+    async def detach(self) -> None:
+        """The pair is gone: every open request fails with UNAVAILABLE now, new ones until attach()."""
+        conn, self.conn = self.conn, None
+        if self._pump is not None:
+            self._pump.cancel()
+        if conn is not None:
+            conn.close()
+        self._fail_all(UNAVAILABLE)
 
     async def close(self) -> None:
         if self._pump is not None:
@@ -78,11 +93,11 @@ class GatewayCore:
             self.conn.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _pump_frames(self) -> None:
+    async def _pump_frames(self, conn: StreamClient) -> None:
         """Route every frame of the step loop to its requests; a lost stream fails them all at once."""
         try:
             while True:
-                frame = await self.conn.recv()
+                frame = await conn.recv()
                 if frame[0] == "step":
                     for rec in frame[1]:
                         self._deliver(rec[0], rec)
@@ -91,6 +106,9 @@ class GatewayCore:
                 elif frame[0] == "fatal":
                     self._fail_all("the model pair failed; the request did not complete")
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            if conn is self.conn:
+                self.conn = None
+                conn.close()
             self._fail_all(UNAVAILABLE)
 
     def _deliver(self, rid: str, item: Any) -> None:
@@ -163,6 +181,8 @@ class GatewayCore:
             except asyncio.TimeoutError:
                 raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded while tokenizing the prompt") from None
             live.num_prompt_tokens = len(ids)
+            if self.conn is None:
+                raise GatewayError("UNAVAILABLE", UNAVAILABLE)
             self.conn.send(("add", key, ids, params, n, threshold))
             sent = None  # when the last chunk went out
             while not finished:
@@ -215,7 +235,8 @@ class GatewayCore:
                 text.append(delta)
                 if live.text.stopped and reason is None and not live.stop_sent:
                     live.stop_sent = True  # a stop string: the step loop ends it; its stats come with the end
-                    self.conn.send(("abort", [rid]))
+                    if self.conn is not None:
+                        self.conn.send(("abort", [rid]))
             if reason is not None:
                 if not live.text.stopped:
                     text.append(live.text.finish())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from grpc_health.v1 import health, health_pb2
@@ -20,11 +21,12 @@ class Health:
         for name in ("", SERVICE_NAME):
             await self.servicer.set(name, SERVING if serving else NOT_SERVING)
 
-    async def watch_pair(self, verifier: Any, is_draining, period_s: float = 1.0) -> None:
-        """Probe the real request path: the verifier reports a dead or stalled step loop."""
+    async def watch_pair(self, verifier: Callable[[], Any], is_draining, period_s: float = 1.0) -> None:
+        """Probe the real request path: the current verifier (`verifier()`, None while a new pair starts) reports
+        a dead or stalled step loop."""
         while True:
             try:
-                ok = (await asyncio.wait_for(verifier.health.remote(), timeout=10))["ok"]
+                ok = (await asyncio.wait_for(verifier().health.remote(), timeout=10))["ok"]
             except Exception:  # noqa: BLE001 - an unreachable pair is unhealthy
                 ok = False
             await self.set(ok and not is_draining())

@@ -57,7 +57,8 @@ class GatewayServer:
             await self.probe_server.start()
         await self.health.set(True)
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self.health.watch_pair(self.verifier, lambda: self.core.draining)))
+        self._tasks.append(loop.create_task(self.health.watch_pair(lambda: self.core.verifier if self.core.conn else None,
+                                                                   lambda: self.core.draining)))
         return self.port
 
     def install_signal_handlers(self) -> None:

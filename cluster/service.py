@@ -31,17 +31,26 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
 async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[[int], None] | None = None) -> None:
     from .pair import create_pair
     from .server import GatewayServer
+    from .supervisor import PairSupervisor
 
     loop = asyncio.get_running_loop()
     pair = await loop.run_in_executor(None, create_pair, pair_cfg)
     server = GatewayServer(pair.verifier, gw_cfg)
+    supervisor = None
     try:
         port = await server.start()
+        supervisor = PairSupervisor(pair_cfg, pair, server.core.detach, lambda p: server.core.attach(p.verifier),
+                                    lambda: server.core.draining)
+        watch = loop.create_task(supervisor.run())
         server.install_signal_handlers()
         if on_ready is not None:
             on_ready(port)
         await server.wait()
+        watch.cancel()
     finally:
+        if supervisor is not None:
+            supervisor.stop()
+            pair = supervisor.pair
         await loop.run_in_executor(None, pair.shutdown)
 
 

@@ -32,16 +32,27 @@ from .target_side import TargetSide
 log = logging.getLogger(__name__)
 
 
+def context_limit(max_model_len: int | None, max_position: int) -> int:
+    """The model's context limit, or a smaller one asked for; a larger one is refused."""
+    if max_model_len is None:
+        return max_position
+    if not isinstance(max_model_len, int) or not 1 < max_model_len <= max_position:
+        raise ValueError(f"max_model_len must be in [2, {max_position}] (the target's max_position_embeddings), "
+                         f"got {max_model_len!r}")
+    return max_model_len
+
+
 class LLM:
     def __init__(self, target: str | Path | QwenForCausalLM, draft: str | Path | DSparkDraft | None = None,
                  speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None, *,
                  dtype: torch.dtype | None = None, device: str | None = None, block_size: int = 16,
-                 num_kv_blocks: int = 2048, max_num_seqs: int = 64, max_model_len: int = 4096,
+                 num_kv_blocks: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
                  eos_token_ids: Sequence[int] | None = None, draft_side: Any = None,
                  capture_layers: tuple[int, ...] = (), enforce_eager: bool | None = None,
                  warmup: bool = True, tokenizer: str | Path | Any = None) -> None:
         """`draft_side` (with `capture_layers`) plugs in a draft living elsewhere, e.g. behind the step channel.
-        `enforce_eager` (vLLM's name; default: True on CPU, False on CUDA): False runs decode/verify steps with
+        `max_model_len` (vLLM's name): the longest prompt + output, by default the target's
+        max_position_embeddings. `enforce_eager` (vLLM's name; default: True on CPU, False on CUDA): False runs decode/verify steps with
         static shapes, captured as CUDA graphs on CUDA. `warmup`: record the graphs here (warm_up()) instead of
         on the first requests that meet them. `tokenizer`: a directory, or a `tokenizers.Tokenizer`
         (default: the target directory's)."""
@@ -68,12 +79,12 @@ class LLM:
         self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture)
         draft_side = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size) \
             if draft_model is not None else draft_side
-        self.spec, self.max_model_len = spec, max_model_len
+        self.spec, self.max_model_len = spec, context_limit(max_model_len, target_model.config.max_position)
         if not (self.target.device.type != "cuda" if enforce_eager is None else enforce_eager):
             drafts = draft_side.num_speculative_tokens if draft_side is not None else 0
-            self.target.use_static_shapes((1, 1 + drafts) if drafts else (1,), max_model_len)
+            self.target.use_static_shapes((1, 1 + drafts) if drafts else (1,), self.max_model_len)
             if isinstance(draft_side, DraftSide):
-                draft_side.use_static_shapes(max_model_len)
+                draft_side.use_static_shapes(self.max_model_len)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
         self.scheduler = Scheduler(self.target, draft_side, spec, max_num_seqs=max_num_seqs,
                                    eos_token_ids=tuple(eos_token_ids or ()))

@@ -172,3 +172,50 @@ def test_unseeded_requests_draw_fresh_randomness(pair):
     assert first != a.generate([PROMPT], params)[0].token_ids
     seeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=7)
     assert a.generate([PROMPT], seeded)[0].token_ids == b.generate([PROMPT], seeded)[0].token_ids
+
+
+def test_the_context_limit_is_the_models(pair):
+    """max_model_len defaults to the target's max_position_embeddings; more is refused, naming the limit."""
+    limit = pair[0].config.max_position
+    assert _llm(pair).max_model_len == limit
+    assert _llm(pair, max_model_len=100).max_model_len == 100
+    with pytest.raises(ValueError, match=f"max_model_len must be in \\[2, {limit}\\]"):
+        _llm(pair, max_model_len=limit + 1)
+    with pytest.raises(ValueError, match=r"exceeds max_model_len \(100\)"):
+        _llm(pair, max_model_len=100).add_request([1] * 90, SamplingParams(max_tokens=11))
+
+
+def test_adds_and_aborts_during_a_step_wait_for_the_next(pair, reference):
+    """An add and an abort arriving while a step runs neither wait for it nor change it; the next step applies
+    them in order, so a request aborted while still being admitted never runs."""
+    import threading
+
+    llm = _llm(pair)
+    llm.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=40))
+    llm.step()
+    entered, release, outs = threading.Event(), threading.Event(), []
+    verify = llm.target.verify
+
+    def held_verify(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return verify(*args, **kwargs)
+
+    llm.target.verify = held_verify
+    stepper = threading.Thread(target=lambda: outs.extend(llm.step()))
+    stepper.start()
+    assert entered.wait(10)
+    b = llm.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=40))
+    c = llm.add_request([9, 9, 9], SamplingParams(temperature=0, max_tokens=40))
+    assert llm.abort(c) and stepper.is_alive()  # neither waited for the step
+    release.set()
+    stepper.join(10)
+    assert {o.request_id for o in outs} == {"req-0"}
+    llm.target.verify = verify
+    final = {}
+    while llm.has_unfinished():
+        for o in llm.step():
+            assert o.request_id != c or (o.finished and not o.token_ids)
+            if o.finished:
+                final[o.request_id] = o
+    assert final[c].finish_reason == "abort" and final[b].token_ids == reference

@@ -353,3 +353,21 @@ def test_cancelled_and_expired_requests_never_run_on(client):
     while (s := client.server_stats()).num_running + s.num_waiting and time.monotonic() < end:
         time.sleep(0.05)
     assert s.num_running == s.num_waiting == 0
+
+
+def test_a_request_past_the_context_limit_is_refused_naming_it(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate([1] * 4000, max_tokens=200)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len (4096)" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate([1, 2], max_tokens=5000)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "4096" in e.value.details()
+
+
+def test_serve_refuses_a_context_limit_past_the_models(pair_dirs):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(pair_dirs[0]),
+                        "--max-model-len", "999999", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--max-model-len must be in [2, 4096]" in r.stderr
