@@ -35,7 +35,7 @@ def _resources(d: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
 class DSpark:
     def __init__(self, target: str, draft: str | None = None, speculative_config: str | dict | None = None,
                  device: str = "auto", dtype: str | None = None, block_size: int = 16, num_kv_blocks: int = 2048,
-                 max_num_seqs: int = 64, max_model_len: int = 4096, placement: str = "PACK",
+                 max_num_seqs: int = 64, max_model_len: int | None = None, placement: str = "PACK",
                  target_resources: dict[str, float] | None = None, draft_resources: dict[str, float] | None = None,
                  max_queue: int = 256, max_request_bytes: int = 4 << 20, channel_host: str | None = None,
                  num_cpus: float = 1.0, colocate: bool | None = None, cpu_threads: int = 0,
@@ -52,12 +52,13 @@ class DSpark:
             self._tmp = tempfile.TemporaryDirectory()
             target, draft = map(str, random_pair(self._tmp.name, agree=0.005, block_size=6))
         spec = json.dumps(speculative_config) if isinstance(speculative_config, dict) else speculative_config
-        self.pair = create_pair(PairConfig(
+        self.pair_cfg = PairConfig(
             target=target, draft=draft, speculative_config=spec, device=device, dtype=dtype, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len, placement=placement,
             channel_host=channel_host, num_cpus=num_cpus, colocate=colocate, cpu_threads=cpu_threads,
             target_resources=_resources(target_resources),
-            draft_resources=_resources(draft_resources)))
+            draft_resources=_resources(draft_resources))
+        self.pair = create_pair(self.pair_cfg)
         info = ray.get(self.pair.verifier.model_info.remote())
         self.core = GatewayCore(self.pair.verifier, info, GatewayConfig(max_queue=max_queue,
                                                                         max_request_bytes=max_request_bytes))
@@ -65,10 +66,22 @@ class DSpark:
         self._started: asyncio.Task | None = None
 
     async def _ready(self) -> None:
-        """The request stream and the tokenizer, on this replica's event loop, once (concurrent first calls wait)."""
+        """The request stream, the tokenizer and the pair's supervisor, on this replica's event loop, once
+        (concurrent first calls wait)."""
         if self._started is None:
-            self._started = asyncio.get_running_loop().create_task(self.core.start())
+            self._started = asyncio.get_running_loop().create_task(self._start())
         await asyncio.shield(self._started)
+
+    async def _start(self) -> None:
+        from .supervisor import PairSupervisor
+
+        await self.core.start()
+        self.supervisor = PairSupervisor(self.pair_cfg, self.pair, self.core.detach, self._attach)
+        self._watch = asyncio.get_running_loop().create_task(self.supervisor.run())
+
+    async def _attach(self, pair) -> None:
+        self.pair = pair
+        await self.core.attach(pair.verifier)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any = None):
         try:
@@ -110,6 +123,9 @@ class DSpark:
             raise RuntimeError(f"step loop unhealthy: {health}")
 
     def __del__(self) -> None:
+        supervisor = getattr(self, "supervisor", None)
+        if supervisor is not None:
+            supervisor.stop()
         pair = getattr(self, "pair", None)
         if pair is not None:
             pair.shutdown()
