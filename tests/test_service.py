@@ -141,6 +141,7 @@ BAD = [
     (dict(prompt=[1, 512, 3]), "token_ids must be in [0, 512), got [512]"),
     (dict(prompt=[1, -1]), "token_ids must be in [0, 512), got [-1]"),
     (dict(prompt="hello"), "text input needs a tokenizer"),
+    (dict(prompt=[1], stop=["x"]), "sampling.stop needs a tokenizer"),
     (dict(prompt=[1], num_speculative_tokens=9), "speculative.num_speculative_tokens must be in [1, 6]"),
     (dict(prompt=[1], confidence_threshold=2.0), "speculative.confidence_threshold must be in [0, 1]"),
     (dict(prompt="x" * (5 << 20)), "bytes; the limit is 4194304"),  # an oversized message
