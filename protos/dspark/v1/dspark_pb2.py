@@ -24,43 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spark/v1/dspark.proto\x12\tdspark.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa6\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eos\"\xa3\x01\n\x14SpeculativeOverrides\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12!\n\x14\x63onfidence_threshold\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x0f\n\x07\x64isable\x18\x03 \x01(\x08\x42\x19\n\x17_num_speculative_tokensB\x17\n\x15_confidence_threshold\"\xcb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.dspark.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x34\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1f.dspark.v1.SpeculativeOverridesB\x07\n\x05input\"\xb7\x02\n\tSpecStats\x12\x16\n\x0enum_spec_steps\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x1d\n\x15\x64raft_acceptance_rate\x18\x05 \x01(\x01\x12\x1d\n\x15per_position_accepted\x18\x06 \x03(\r\x12\x19\n\x11\x61\x63\x63\x65pted_per_step\x18\x07 \x03(\r\x12\x10\n\x08\x64raft_ms\x18\x08 \x01(\x01\x12\x11\n\tverify_ms\x18\t \x01(\x01\x12\x13\n\x0btransfer_ms\x18\n \x01(\x01\x12\x10\n\x08queue_ms\x18\x0b \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x0c \x01(\x01\"K\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\r\"\xa4\x01\n\x10GenerateComplete\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.dspark.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12#\n\x05stats\x18\x05 \x01(\x0b\x32\x14.dspark.v1.SpecStats\"\x8a\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.dspark.v1.GenerateChunkH\x00\x12/\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1b.dspark.v1.GenerateCompleteH\x00\x42\x06\n\x04kind\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xb3\x01\n\tModelInfo\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\"\x17\n\x15GetServerStatsRequest\"\xcb\x02\n\x0bServerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12\x66ree_target_blocks\x18\x03 \x01(\r\x12\x1b\n\x13total_target_blocks\x18\x04 \x01(\r\x12\x19\n\x11\x66ree_draft_blocks\x18\x05 \x01(\r\x12\x1a\n\x12total_draft_blocks\x18\x06 \x01(\r\x12\x19\n\x11requests_finished\x18\x07 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x08 \x01(\x04\x12\x1e\n\x16mean_acceptance_length\x18\t \x01(\x01\x12\r\n\x05steps\x18\n \x01(\x04\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x17\n\x0fnum_cuda_graphs\x18\x0c \x01(\r\x12\x13\n\x0bspeculating\x18\r \x01(\x08*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xa1\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x1b.dspark.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.dspark.v1.AbortRequest\x1a\x18.dspark.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.dspark.v1.GetModelInfoRequest\x1a\x14.dspark.v1.ModelInfo\x12J\n\x0eGetServerStats\x12 .dspark.v1.GetServerStatsRequest\x1a\x16.dspark.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spark/v1/dspark.proto\x12\tdspark.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xac\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\x05H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\x05H\x0e\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_ignore_eosB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\xa3\x01\n\x14SpeculativeOverrides\x12#\n\x16num_speculative_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12!\n\x14\x63onfidence_threshold\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x0f\n\x07\x64isable\x18\x03 \x01(\x08\x42\x19\n\x17_num_speculative_tokensB\x17\n\x15_confidence_threshold\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"n\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.dspark.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xec\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.dspark.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x06 \x01(\x0b\x32\x0f.dspark.v1.ChatH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x34\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1f.dspark.v1.SpeculativeOverridesB\x07\n\x05input\"\xb7\x02\n\tSpecStats\x12\x16\n\x0enum_spec_steps\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x01\x12\x1d\n\x15\x64raft_acceptance_rate\x18\x05 \x01(\x01\x12\x1d\n\x15per_position_accepted\x18\x06 \x03(\r\x12\x19\n\x11\x61\x63\x63\x65pted_per_step\x18\x07 \x03(\r\x12\x10\n\x08\x64raft_ms\x18\x08 \x01(\x01\x12\x11\n\tverify_ms\x18\t \x01(\x01\x12\x13\n\x0btransfer_ms\x18\n \x01(\x01\x12\x10\n\x08queue_ms\x18\x0b \x01(\x01\x12\x16\n\x0e\x66irst_token_ms\x18\x0c \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.dspark.v1.TopLogprob\"v\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\r\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.dspark.v1.TokenLogprob\"\xa4\x01\n\x10GenerateComplete\x12\x12\n\noutput_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.dspark.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12#\n\x05stats\x18\x05 \x01(\x0b\x32\x14.dspark.v1.SpecStats\"\x99\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.dspark.v1.GenerateChunkH\x00\x12/\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x1b.dspark.v1.GenerateCompleteH\x00\x12\r\n\x05index\x18\x04 \x01(\rB\x06\n\x04kind\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xe9\x01\n\tModelInfo\x12\x0e\n\x06target\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x15\n\rhas_tokenizer\x18\x08 \x01(\x08\x12\x19\n\x11served_model_name\x18\t \x01(\t\x12\x19\n\x11has_chat_template\x18\n \x01(\x08\"\x17\n\x15GetServerStatsRequest\"\xcb\x02\n\x0bServerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x1a\n\x12\x66ree_target_blocks\x18\x03 \x01(\r\x12\x1b\n\x13total_target_blocks\x18\x04 \x01(\r\x12\x19\n\x11\x66ree_draft_blocks\x18\x05 \x01(\r\x12\x1a\n\x12total_draft_blocks\x18\x06 \x01(\r\x12\x19\n\x11requests_finished\x18\x07 \x01(\x04\x12\x18\n\x10tokens_generated\x18\x08 \x01(\x04\x12\x1e\n\x16mean_acceptance_length\x18\t \x01(\x01\x12\r\n\x05steps\x18\n \x01(\x04\x12\x10\n\x08\x64raining\x18\x0b \x01(\x08\x12\x17\n\x0fnum_cuda_graphs\x18\x0c \x01(\r\x12\x13\n\x0bspeculating\x18\r \x01(\x08*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32\xa1\x02\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x1b.dspark.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.dspark.v1.AbortRequest\x1a\x18.dspark.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.dspark.v1.GetModelInfoRequest\x1a\x14.dspark.v1.ModelInfo\x12J\n\x0eGetServerStats\x12 .dspark.v1.GetServerStatsRequest\x1a\x16.dspark.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, __name__, _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2065
-  _globals['_FINISHREASON']._serialized_end=2187
+  _globals['_FINISHREASON']._serialized_start=2894
+  _globals['_FINISHREASON']._serialized_end=3016
   _globals['_TOKENIDS']._serialized_start=37
   _globals['_TOKENIDS']._serialized_end=60
   _globals['_SAMPLINGPARAMS']._serialized_start=63
-  _globals['_SAMPLINGPARAMS']._serialized_end=357
-  _globals['_SPECULATIVEOVERRIDES']._serialized_start=360
-  _globals['_SPECULATIVEOVERRIDES']._serialized_end=523
-  _globals['_GENERATEREQUEST']._serialized_start=526
-  _globals['_GENERATEREQUEST']._serialized_end=729
-  _globals['_SPECSTATS']._serialized_start=732
-  _globals['_SPECSTATS']._serialized_end=1043
-  _globals['_GENERATECHUNK']._serialized_start=1045
-  _globals['_GENERATECHUNK']._serialized_end=1120
-  _globals['_GENERATECOMPLETE']._serialized_start=1123
-  _globals['_GENERATECOMPLETE']._serialized_end=1287
-  _globals['_GENERATERESPONSE']._serialized_start=1290
-  _globals['_GENERATERESPONSE']._serialized_end=1428
-  _globals['_ABORTREQUEST']._serialized_start=1430
-  _globals['_ABORTREQUEST']._serialized_end=1465
-  _globals['_ABORTRESPONSE']._serialized_start=1467
-  _globals['_ABORTRESPONSE']._serialized_end=1499
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1501
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1522
-  _globals['_MODELINFO']._serialized_start=1525
-  _globals['_MODELINFO']._serialized_end=1704
-  _globals['_GETSERVERSTATSREQUEST']._serialized_start=1706
-  _globals['_GETSERVERSTATSREQUEST']._serialized_end=1729
-  _globals['_SERVERSTATS']._serialized_start=1732
-  _globals['_SERVERSTATS']._serialized_end=2063
-  _globals['_GENERATION']._serialized_start=2190
-  _globals['_GENERATION']._serialized_end=2479
+  _globals['_SAMPLINGPARAMS']._serialized_end=747
+  _globals['_SPECULATIVEOVERRIDES']._serialized_start=750
+  _globals['_SPECULATIVEOVERRIDES']._serialized_end=913
+  _globals['_CHATMESSAGE']._serialized_start=915
+  _globals['_CHATMESSAGE']._serialized_end=959
+  _globals['_CHAT']._serialized_start=961
+  _globals['_CHAT']._serialized_end=1071
+  _globals['_GENERATEREQUEST']._serialized_start=1074
+  _globals['_GENERATEREQUEST']._serialized_end=1310
+  _globals['_SPECSTATS']._serialized_start=1313
+  _globals['_SPECSTATS']._serialized_end=1624
+  _globals['_TOPLOGPROB']._serialized_start=1626
+  _globals['_TOPLOGPROB']._serialized_end=1673
+  _globals['_TOKENLOGPROB']._serialized_start=1675
+  _globals['_TOKENLOGPROB']._serialized_end=1760
+  _globals['_GENERATECHUNK']._serialized_start=1762
+  _globals['_GENERATECHUNK']._serialized_end=1880
+  _globals['_GENERATECOMPLETE']._serialized_start=1883
+  _globals['_GENERATECOMPLETE']._serialized_end=2047
+  _globals['_GENERATERESPONSE']._serialized_start=2050
+  _globals['_GENERATERESPONSE']._serialized_end=2203
+  _globals['_ABORTREQUEST']._serialized_start=2205
+  _globals['_ABORTREQUEST']._serialized_end=2240
+  _globals['_ABORTRESPONSE']._serialized_start=2242
+  _globals['_ABORTRESPONSE']._serialized_end=2274
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2276
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2297
+  _globals['_MODELINFO']._serialized_start=2300
+  _globals['_MODELINFO']._serialized_end=2533
+  _globals['_GETSERVERSTATSREQUEST']._serialized_start=2535
+  _globals['_GETSERVERSTATSREQUEST']._serialized_end=2558
+  _globals['_SERVERSTATS']._serialized_start=2561
+  _globals['_SERVERSTATS']._serialized_end=2892
+  _globals['_GENERATION']._serialized_start=3019
+  _globals['_GENERATION']._serialized_end=3308
 # @@protoc_insertion_point(module_scope)
