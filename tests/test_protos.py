@@ -19,7 +19,7 @@ def test_stale_stubs_are_detected(tmp_path):
     copy = tmp_path / "protos"
     shutil.copytree(ROOT / "protos", copy)
     proto = copy / "dspark" / "v1" / "dspark.proto"
-    proto.write_text(proto.read_text().replace("bool has_tokenizer = 8;", "bool has_tokenizer = 8;\n  string extra = 9;"))
+    proto.write_text(proto.read_text().replace("bool has_tokenizer = 8;", "bool has_tokenizer = 8;\n  string extra = 99;"))
     proc = subprocess.run([sys.executable, str(copy / "build.py"), "--check"], capture_output=True, text=True)
     assert proc.returncode == 1 and "stale generated stubs" in proc.stderr
 
