@@ -68,8 +68,10 @@ def _serve(args: argparse.Namespace) -> int:
     from .config import GatewayConfig, PairConfig
     from .service import run
 
-    pair = PairConfig(target=args.target, draft=args.draft, speculative_config=args.speculative_config,
-                      device=args.device or "auto", dtype=args.dtype, block_size=args.block_size,
+    target, draft = _serve_models(args)
+    pair = PairConfig(target=target, draft=draft, speculative_config=args.speculative_config,
+                      device=args.device or "auto", dtype=None if args.dtype == "auto" else args.dtype,
+                      block_size=args.block_size,
                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                       max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, placement=args.placement,
                       channel_host=args.channel_host, colocate=args.colocate, cpu_threads=args.cpu_threads,
@@ -86,7 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
                             ssl_ca_certs=args.ssl_ca_certs, health_port=args.health_port)
     try:
         pair.validate()
-        _check_context_limit(args.target, args.max_model_len)
+        _check_context_limit(target, args.max_model_len)
         gateway.validate()
         for path in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs):
             if path is not None and not os.path.isfile(path):
@@ -98,6 +100,25 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"dspark-serve serve: error: {e}") from None
     return run(pair, gateway, args.address, args.num_cpus)
+
+
+def _serve_models(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(target, draft) from the positional MODEL or --target, and --draft or speculative_config's "model"."""
+    import json
+
+    if args.model and args.target and args.model != args.target:
+        raise SystemExit(f"dspark-serve serve: error: two targets given: {args.model} and --target {args.target}")
+    target = args.model or args.target
+    if not target:
+        raise SystemExit("dspark-serve serve: error: give the target: dspark-serve serve MODEL (or --target DIR)")
+    draft = args.draft
+    if draft is None and args.speculative_config:
+        try:
+            spec = json.loads(args.speculative_config)
+        except ValueError as e:
+            raise SystemExit(f"dspark-serve serve: error: --speculative-config is not valid JSON: {e}") from None
+        draft = spec.get("model") if isinstance(spec, dict) else None
+    return target, draft
 
 
 def _check_context_limit(target: str, max_model_len: int | None) -> None:
@@ -253,6 +274,16 @@ def _delegate(name: str, argv: list[str]) -> int:
     return int(importlib.import_module(DELEGATED[name][0]).main(argv) or 0)
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help already says its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+            return text
+        return f"{text} (default: {action.default})".strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -295,19 +326,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_client_access(g)
     g.set_defaults(func=_generate)
-    s = sub.add_parser("serve", help="start the draft+verifier pair on Ray and the gRPC gateway")
-    s.add_argument("--target", required=True)
-    s.add_argument("--draft")
-    s.add_argument("--speculative-config")
-    s.add_argument("--host", default="127.0.0.1")
+    s = sub.add_parser("serve", help="start the draft+verifier pair on Ray and the gRPC gateway",
+                       formatter_class=DefaultsFormatter)
+    s.add_argument("model", nargs="?", help="the target checkpoint directory (as `vllm serve MODEL`; or --target)")
+    s.add_argument("--target", help="the target checkpoint directory")
+    s.add_argument("--draft", help="the draft checkpoint directory (or speculative_config's \"model\")")
+    s.add_argument("--speculative-config",
+                   help='JSON with vLLM\'s field names, e.g. {"model": DIR, "num_speculative_tokens": 7}')
+    s.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     s.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     s.add_argument("--address", help="join this Ray cluster (default: start Ray embedded)")
     s.add_argument("--num-cpus", type=int, help="CPUs of the embedded Ray")
     s.add_argument("--cpu-threads", type=int, default=0,
                    help="torch threads of each CPU actor (default 0: every CPU of its node; Ray alone would give 1)")
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], help="auto: one GPU per actor when there are GPUs")
-    s.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
-    s.add_argument("--placement", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+    s.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="auto: the checkpoint's")
+    s.add_argument("--placement", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+                   help="Ray placement strategy of the pair: PACK keeps it on one node when possible")
     s.add_argument("--channel-host", help="address the step channel binds (default: the verifier's node IP)")
     s.add_argument("--colocate", action=argparse.BooleanOptionalAction,
                    help="the draft inside the verifier actor, on its device (no step channel), or (--no-colocate) in "
@@ -319,19 +355,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between pings of an idle step channel, below --channel-timeout (default 20)")
     s.add_argument("--target-resources", help='custom Ray resources for the verifier, JSON, e.g. {"target_gpu": 1}')
     s.add_argument("--draft-resources", help='custom Ray resources for the draft, JSON, e.g. {"draft_gpu": 1}')
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--num-kv-blocks", type=int, default=2048)
-    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    s.add_argument("--num-kv-blocks", type=int, default=2048, help="KV-cache blocks of each model")
+    s.add_argument("--max-num-seqs", type=int, default=64,
+                   help="requests decoded together at most (CUDA graphs are recorded up to this batch)")
     s.add_argument("--max-model-len", type=int,
                    help="longest prompt + output (default: the target's max_position_embeddings; larger is refused)")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
-    s.add_argument("--max-queue", type=int, default=256)
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="queued + running requests before RESOURCE_EXHAUSTED")
     s.add_argument("--stream-messages-per-s", type=float, default=6000.0,
                    help="chunk messages per second the gateway aims for over all streams: with many streams each "
                         "message carries several steps (default 6000)")
     s.add_argument("--max-prompt-chars", type=int,
                    help="longer text prompts are refused before tokenizing (default: 32 x --max-model-len)")
-    s.add_argument("--drain-timeout", type=float, default=30.0)
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets running requests finish before ending them")
     s.add_argument("--api-key", nargs="+", help=f"require one of these keys on every dspark.v1 call ('authorization: "
                                                  f"Bearer KEY'; default: ${API_KEY_ENV}); health and reflection stay "
                                                  "open")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 
 class ServerProcess:
-    def __init__(self, target: Path, draft: Path | None, *extra: str, timeout_s: float = 180.0,
+    def __init__(self, target: Path | None, draft: Path | None, *extra: str, timeout_s: float = 180.0,
                  check_blocks: bool = True) -> None:
         """check_blocks: after each test the block invariant is checked on this server (plaintext, no key)."""
         import block_invariant
@@ -20,7 +20,8 @@ class ServerProcess:
         self.checked = check_blocks and not any(a.startswith(("--api-key", "--ssl")) for a in extra)
         self.address = None
         block_invariant.SERVERS.add(self)
-        cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(target), "--port", "0",
+        cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", *(["--target", str(target)] if target else []),
+               "--port", "0",
                "--host", "127.0.0.1", "--num-cpus", "4", "--block-size", "8", "--num-kv-blocks", "1024", *extra]
         if draft is not None:
             cmd += ["--draft", str(draft)]

@@ -372,3 +372,29 @@ def test_serve_refuses_a_context_limit_past_the_models(pair_dirs):
     r = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(pair_dirs[0]),
                         "--max-model-len", "999999", "--port", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--max-model-len must be in [2, 4096]" in r.stderr
+
+
+def test_serve_takes_vllm_style_arguments(pair_dirs, local):
+    """`dspark-serve serve MODEL --speculative-config '{"model": DRAFT}' --dtype auto`, as with `vllm serve`."""
+    import json
+
+    target, draft = pair_dirs
+    srv = ServerProcess(None, None, str(target), "--speculative-config", json.dumps({"model": str(draft)}),
+                        "--dtype", "auto")
+    try:
+        c = DSparkClient(srv.address)
+        prompt = _prompts(1)[0]
+        out = c.generate(prompt, temperature=0.0, max_tokens=24)
+        ref = local.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0]
+        assert out["token_ids"] == ref.token_ids and out["stats"]["tau"] > 1.5
+        c.close()
+    finally:
+        srv.kill()
+
+
+def test_every_serve_flag_has_help():
+    from dspark_serve.cluster.cli import build_parser
+
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
+    missing = [a.option_strings or a.dest for a in serve._actions if not a.help]
+    assert not missing, missing
