@@ -30,6 +30,8 @@ class GraphBuckets:
 
 
 MAX_GRAPH_TOKENS = 512  # each graph keeps its own [tokens, vocab] fp32 logits: larger steps run eagerly
+WARM_CONTEXT = 4096  # at start every batch bucket is recorded up to this context; longer contexts: batch 1 only
+# (the rest on first use), so a 32k-context model does not hold 8 contexts x 9 batches of logits
 
 
 class Staging:
@@ -116,7 +118,7 @@ class TargetGraphs:
         context bucket, so that no request waits for one; -> how many were recorded (0 when not capturing)."""
         top = _bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
         shapes = [(q, b, c) for b in self.buckets.batch if b <= top for q in self.query_lens
-                  for c in self.buckets.context
+                  for c in self.buckets.context if b == 1 or c <= WARM_CONTEXT
                   if self.capture and b * q <= MAX_GRAPH_TOKENS and (q, b, c) not in self._runners]
         for shape in shapes:
             self._runners[shape] = self._build(*shape)

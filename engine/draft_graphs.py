@@ -19,7 +19,7 @@ from torch import Tensor
 
 from dspark_serve.kernels.attention import AttentionMetadata
 
-from .cuda_graphs import GraphBuckets, Staging, _bucket, capture_on_padding
+from .cuda_graphs import WARM_CONTEXT, GraphBuckets, Staging, _bucket, capture_on_padding
 from .kv_cache import slots_of
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class DraftGraphs:
         every context bucket; -> how many were recorded (0 when not capturing)."""
         top = _bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
         keys = [(b, c, q) for b in self.buckets.batch if b <= top for c in self.buckets.context
-                for q in (False, True) if self.capture and (b, c, q) not in self._runners]
+                if b == 1 or c <= WARM_CONTEXT for q in (False, True) if self.capture and (b, c, q) not in self._runners]
         for key in keys:
             self._runners[key] = self._build(*key)
         return len(keys)

@@ -3,6 +3,7 @@ the dynamic path, with padded batches, padded verify rows, context buckets cross
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -270,3 +271,27 @@ def test_static_draft_proposal_matches_dynamic(topk):
             assert (x is None) == (y is None) and (x is None or torch.allclose(x.float(), y.float(), atol=1e-5))
         assert (a.probs is None and a.cand_probs is None) == (max(temps) == 0)
     assert {k[2] for k in sides[1].graphs._runners} == {False, True}
+
+
+def test_warm_up_records_every_batch_bucket_up_to_a_context(monkeypatch):
+    """warm_up(max_batch) records every batch bucket up to max_batch's at contexts up to WARM_CONTEXT, and batch 1
+    beyond it (longer contexts' larger batches are recorded on first use)."""
+    from dspark_serve.engine import cuda_graphs
+    from dspark_serve.engine.draft_side import DraftSide
+    from dspark_serve.engine.spec_config import SpeculativeConfig
+
+    target, draft = tiny_pair(seed=7, agree=0.01, block_size=4, dtype=torch.float32)
+    side = TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids)
+    dside = DraftSide(draft, 64, 8, SpeculativeConfig(dspark_draft_topk=8), 256)
+    monkeypatch.setattr(cuda_graphs, "capture", _padding_only_capture([side.cache, dside.cache], 64, []))
+    monkeypatch.setattr(cuda_graphs, "WARM_CONTEXT", 256)
+    monkeypatch.setattr(sys.modules["dspark_serve.engine.draft_graphs"], "WARM_CONTEXT", 256)
+    side.use_static_shapes((1, 4), max_model_len=600, capture=True)
+    dside.use_static_shapes(max_model_len=600, capture=True)
+    side.graphs.warm_up(3), dside.graphs.warm_up(3)
+    contexts = side.graphs.buckets.context
+    assert contexts[0] == 256 and len(contexts) > 1
+    assert set(side.graphs._runners) == {(q, b, c) for q in (1, 4) for b in (1, 2, 4) for c in contexts
+                                         if b == 1 or c == 256}
+    assert set(dside.graphs._runners) == {(b, c, q) for b in (1, 2, 4) for c in dside.graphs.buckets.context
+                                          for q in (False, True) if b == 1 or c == 256}
