@@ -5,6 +5,7 @@ bounded tail. No torch: the gateway uses it too."""
 from __future__ import annotations
 
 import codecs
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,14 +45,30 @@ class TokenText:
 
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.table: list[bytes] | None = None
+        self._variants = {skip_special_tokens: self}  # shared by every variant of this tokenizer
         if isinstance(tokenizer.decoder, decoders.ByteLevel):
             vocab = tokenizer.get_vocab(with_added_tokens=True)
-            table = [b""] * (max(vocab.values()) + 1)
+            self.table = [b""] * (max(vocab.values()) + 1)
             for token, i in vocab.items():
-                table[i] = _token_bytes(token)
-            for i, added in tokenizer.get_added_tokens_decoder().items():
-                table[i] = b"" if added.special and skip_special_tokens else _token_bytes(added.content)
-            self.table = table
+                self.table[i] = _token_bytes(token)
+            self._set_added_tokens()
+
+    def _set_added_tokens(self) -> None:
+        for i, added in self.tokenizer.get_added_tokens_decoder().items():
+            self.table[i] = b"" if added.special and self.skip_special_tokens else _token_bytes(added.content)
+
+    def variant(self, skip_special_tokens: bool) -> TokenText:
+        """This tokenizer's decoding with skip_special_tokens so; the other variant is prepared once, when first
+        asked for (a copy of this table with the special tokens' entries changed)."""
+        other = self._variants.get(skip_special_tokens)
+        if other is None:
+            other = copy.copy(self)
+            other.skip_special_tokens = skip_special_tokens
+            if self.table is not None:
+                other.table = list(self.table)
+                other._set_added_tokens()
+            self._variants[skip_special_tokens] = other
+        return other
 
     def stream(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self)
@@ -105,20 +122,23 @@ class StopStrings:
         self.stops, self.include = stops, include
         self.hold = max(map(len, stops)) - 1 if stops else 0
         self._pending = ""
+        self._inert = 0  # leading characters of _pending pushed with match=False: no stop may end inside them
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """-> (text to release, whether a stop string ended the output)."""
+    def push(self, text: str, match: bool = True) -> tuple[str, bool]:
+        """-> (text to release, whether a stop string ended the output). match=False: text that cannot end the
+        output (before min_tokens); a stop ending in it is never matched later either."""
         buf = self._pending + text
         hit, end = -1, 0
-        for s in self.stops:
-            i = buf.find(s)
+        for s in self.stops if match else ():
+            i = buf.find(s, max(0, self._inert - len(s) + 1))
             if i >= 0 and (hit < 0 or i < hit):
                 hit, end = i, i + len(s)
         if hit >= 0:
-            self._pending = ""
+            self._pending, self._inert = "", 0
             return buf[:end if self.include else hit], True
         cut = max(len(buf) - self.hold, 0)
         self._pending = buf[cut:]
+        self._inert = max(0, self._inert - cut) if match else len(self._pending)
         return buf[:cut], False
 
     def flush(self) -> str:
@@ -133,6 +153,7 @@ class TextStream:
 
     detok: IncrementalDetokenizer | None  # None: no tokenizer, token ids only
     stops: StopStrings | None = None
+    min_tokens: int = 0  # stop strings end the output only once it has this many tokens
     token_ids: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     stopped: bool = False
@@ -150,7 +171,7 @@ class TextStream:
             return ids, delta
         out = []
         for k, tok in enumerate(ids):  # token by token: the token that completes a stop is the last one kept
-            piece, hit = self.stops.push(self.detok.push([tok]))
+            piece, hit = self.stops.push(self.detok.push([tok]), len(self.token_ids) + k + 1 >= self.min_tokens)
             out.append(piece)
             if hit:
                 self.stopped = True
@@ -167,7 +188,7 @@ class TextStream:
             return ""
         delta = self.detok.flush()
         if self.stops is not None:
-            piece, hit = self.stops.push(delta)
+            piece, hit = self.stops.push(delta, len(self.token_ids) >= self.min_tokens)
             delta = piece if hit else piece + self.stops.flush()
             self.stopped = hit
         self.pieces.append(delta)
@@ -178,7 +199,9 @@ class TextStream:
         return "".join(self.pieces)
 
 
-def text_stream(text: TokenText | None, stop: tuple[str, ...] = (), include_stop: bool = False) -> TextStream:
+def text_stream(text: TokenText | None, stop: tuple[str, ...] = (), include_stop: bool = False, min_tokens: int = 0,
+                skip_special_tokens: bool = True) -> TextStream:
     if text is None:
         return TextStream(None)
-    return TextStream(text.stream(), StopStrings(tuple(stop), include_stop) if stop else None)
+    return TextStream(text.variant(skip_special_tokens).stream(),
+                      StopStrings(tuple(stop), include_stop) if stop else None, min_tokens)

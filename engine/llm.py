@@ -89,7 +89,8 @@ class LLM:
         self.scheduler = Scheduler(self.target, draft_side, spec, max_num_seqs=max_num_seqs,
                                    eos_token_ids=tuple(eos_token_ids or ()))
         self._ids = itertools.count()
-        self._streams: dict[str, tuple[list[int], TextStream]] = {}  # request id -> (prompt ids, its text)
+        # request id -> (prompt ids, its text, its logprobs so far or None)
+        self._streams: dict[str, tuple[list[int], TextStream, list[tuple] | None]] = {}
         self._queues: dict[str, asyncio.Queue] = {}  # generate_stream: request id -> its outputs
         self._loop_task: asyncio.Task | None = None
         if warmup:
@@ -154,11 +155,15 @@ class LLM:
         params = params or SamplingParams()
         if params.stop and self.token_text is None:
             raise ValueError("stop strings need a tokenizer in the target directory; use stop_token_ids")
+        if params.n != 1:
+            raise ValueError(f"n must be 1 here (one request is one sequence; add n requests with seeds seed + i, "
+                             f"or ask the server), got {params.n!r}")
         req = self.new_request(prompt, params, request_id=request_id, num_speculative_tokens=num_speculative_tokens,
                                confidence_threshold=confidence_threshold)
         self.scheduler.add(req)
-        self._streams[req.request_id] = (req.prompt_ids, text_stream(self.token_text, params.stop,
-                                                                     params.include_stop_str_in_output))
+        stream = text_stream(self.token_text, params.stop, params.include_stop_str_in_output, params.min_tokens,
+                             params.skip_special_tokens)
+        self._streams[req.request_id] = (req.prompt_ids, stream, [] if params.logprobs is not None else None)
         return req.request_id
 
     def new_request(self, prompt: str | list[int], params: SamplingParams, *, request_id: str | None = None,
@@ -196,30 +201,37 @@ class LLM:
     def _process(self, out: StepOutput) -> RequestOutput | None:
         """Text, stop strings and the cumulative view of one request's step output. A stop string ends the
         output at once and aborts the request; its stats arrive with the engine's last output for it."""
-        rid, new, reason, stats = out
+        rid, new, reason, stats, logprobs = out
         entry = self._streams.get(rid)
         if entry is None:
             return None
-        prompt_ids, stream = entry
+        _, stream, all_logprobs = entry
         if stream.stopped:  # tokens past a stop string: only the stats of the end are wanted
             if reason is None:
                 return None
             reason, new, delta = "stop", [], ""
         else:
             new, delta = stream.push(new)
+            if all_logprobs is not None and logprobs:
+                all_logprobs.extend(logprobs[:len(new)])
             if stream.stopped:
                 if reason is None:
                     self.scheduler.abort(rid)
-                    return RequestOutput(rid, prompt_ids, list(stream.token_ids), stream.text, new, False, None, {},
-                                         delta)
+                    return self._output(rid, entry, new, None, {}, delta)
                 reason = "stop"
             elif reason is not None:
                 delta += stream.finish()
                 reason = "stop" if stream.stopped else reason
         if reason is None:
-            return RequestOutput(rid, prompt_ids, list(stream.token_ids), stream.text, new, False, None, {}, delta)
+            return self._output(rid, entry, new, None, {}, delta)
         del self._streams[rid]
-        return RequestOutput(rid, prompt_ids, stream.token_ids, stream.text, new, True, reason, stats, delta)
+        return self._output(rid, entry, new, reason, stats, delta)
+
+    @staticmethod
+    def _output(rid: str, entry: tuple, new: list[int], reason: str | None, stats: dict, delta: str) -> RequestOutput:
+        prompt_ids, stream, logprobs = entry
+        return RequestOutput(rid, prompt_ids, list(stream.token_ids), stream.text, new, reason is not None, reason,
+                             stats, delta, list(logprobs) if logprobs is not None else None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

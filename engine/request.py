@@ -62,6 +62,8 @@ class Request:
     last_survival: Tensor | None = None  # [N] prefix survival from the previous step (for the budget rule)
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    banned_before_min: tuple[int, ...] = ()  # ids masked before min_tokens: EOS (unless ignore_eos), stop token ids
+    prompt_mask: Tensor | None = None  # [V] bool on the device: the prompt's ids (repetition_penalty), made once
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +95,7 @@ class StepOutput(NamedTuple):
     new_token_ids: list[int]
     finish_reason: str | None = None
     stats: dict | None = None
+    logprobs: list[tuple] | None = None  # with SamplingParams.logprobs: per new token (id, logprob, [(id, logprob)])
 
 
 @dataclass(frozen=True)
@@ -108,3 +111,4 @@ class RequestOutput:
     finish_reason: str | None
     stats: dict  # empty until the request finishes
     text_delta: str = ""
+    logprobs: list[tuple] | None = None  # with SamplingParams.logprobs: per token_ids entry (id, logprob, top)

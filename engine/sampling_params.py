@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 
 GREEDY_TEMPERATURE = 1e-5  # below this a request is decoded by argmax
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
+MAX_N = 16  # sequences per request, unless the server sets another limit
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -29,12 +31,28 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0  # > 0; divides positive logits (multiplies negative) of prompt and output tokens
+    presence_penalty: float = 0.0  # [-2, 2]; subtracted once from the logit of each token in the output so far
+    frequency_penalty: float = 0.0  # [-2, 2]; subtracted per occurrence in the output so far
+    min_tokens: int = 0  # EOS and stop token ids are not sampled, nor stop strings matched, before this many tokens
+    logprobs: int | None = None  # each token's logprob and this many top alternatives (0..20); None: none
+    skip_special_tokens: bool = True  # special tokens leave no text
+    n: int = 1  # sequences per prompt (fanned out by the caller: one engine request each)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
-    def validate(self, max_tokens_limit: int | None = None) -> None:
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits change before this request samples from them (penalties, min_tokens)."""
+        return self.has_penalties or self.min_tokens > 0
+
+    def validate(self, max_tokens_limit: int | None = None, max_n: int = MAX_N) -> None:
         """Raise ValueError naming the first bad field, what it must be and what arrived."""
         t = self.temperature
         if not _is_number(t) or not math.isfinite(t) or t < 0:
@@ -57,6 +75,20 @@ class SamplingParams:
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids must be a tuple of ints >= 0, got {ids!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {v!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {lp!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= max_n:
+            raise ValueError(f"n must be in [1, {max_n}], got {self.n!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -8,6 +8,7 @@ from collections import deque
 import torch
 
 from .draft_side import DraftSide, DraftUnavailable
+from .logits_processing import process_logits, step_logprobs
 from .rejection import verify_mixed
 from .request import FinishReason, Request, StepOutput
 from .spec_config import SpeculativeConfig
@@ -50,6 +51,10 @@ class Scheduler:
         if any(p.blocks_for(need) > p.num_blocks for p in pools):
             raise ValueError(f"prompt ({len(req.prompt_ids)} tokens) + max_tokens ({req.params.max_tokens}) "
                              f"does not fit the KV cache ({pools[0].num_blocks * pools[0].block_size} tokens)")
+        p = req.params
+        if p.min_tokens > 0:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            req.banned_before_min = tuple(sorted(t for t in stops if t < self.target.vocab_size))
         with self._inbox_lock:
             if req.request_id in self._live:
                 raise ValueError(f"request_id {req.request_id!r} is already running")
@@ -187,28 +192,32 @@ class Scheduler:
 
     def _prefill_fresh(self, reqs: list[Request]) -> list[StepOutput]:
         logits, feats = self.target.run(reqs, [r.prompt_ids for r in reqs], last_only=True)
+        logits = process_logits(reqs, logits, None)
         p = sampling_tensors(reqs, self.target.device)
         positions = torch.tensor([[len(r.prompt_ids)] for r in reqs], device=self.target.device)
         none = torch.zeros(len(reqs), 0, dtype=torch.int64, device=self.target.device)
-        first = verify_mixed(none, torch.zeros(len(reqs), dtype=torch.int64, device=none.device), logits, None,
-                             p["is_greedy"], p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
-                             positions, **verify_hints(reqs)).output_tokens[:, 0].tolist()
+        tokens = verify_mixed(none, torch.zeros(len(reqs), dtype=torch.int64, device=none.device), logits, None,
+                              p["is_greedy"], p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
+                              positions, **verify_hints(reqs)).output_tokens  # [R, 1]
+        lp = step_logprobs(reqs, logits, tokens)
+        lp_values = lp.values.tolist() if lp is not None else None
+        first = tokens[:, 0].tolist()
         outputs, now = [], time.monotonic()
-        for r, f, tok in zip(reqs, feats, first):
+        for i, (r, f, tok) in enumerate(zip(reqs, feats, first)):
             r.stats.first_token_ms = 1e3 * (now - r.stats.arrival)
             r.num_computed = len(r.prompt_ids)
             if f is not None and self.draft is not None:
                 r.pending_features.append(f)
-            outputs.append(self._emit(r, [tok]))
+            outputs.append(self._emit(r, [tok], lp.of_row(lp_values, i, [tok]) if lp is not None else None))
         return outputs
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         result = spec_step(self.target, self.draft, reqs, self.spec)
-        return [self._emit(r, toks) for r, toks in zip(reqs, result.new_tokens)]
+        return [self._emit(r, toks, lps) for r, toks, lps in zip(reqs, result.new_tokens, result.logprobs)]
 
-    def _emit(self, req: Request, tokens: list[int]) -> StepOutput:
-        """Append tokens up to the first stop; a stop inside an accepted run truncates it. (Stop strings are
-        the output processor's: it aborts the request when one appears.)"""
+    def _emit(self, req: Request, tokens: list[int], logprobs: list[tuple] | None = None) -> StepOutput:
+        """Append tokens up to the first stop; a stop inside an accepted run truncates it (and its logprobs).
+        (Stop strings are the output processor's: it aborts the request when one appears.)"""
         p, n = req.params, 0
         for tok in tokens:
             req.output_ids.append(tok)
@@ -219,14 +228,14 @@ class Scheduler:
             if len(req.output_ids) >= p.max_tokens:
                 self._finish(req, FinishReason.LENGTH)
                 break
-        return self._output(req, tokens[:n])
+        return self._output(req, tokens[:n], logprobs[:n] if logprobs is not None else None)
 
-    def _output(self, req: Request, added: list[int]) -> StepOutput:
+    def _output(self, req: Request, added: list[int], logprobs: list[tuple] | None = None) -> StepOutput:
         if req.finish_reason is None:
-            return StepOutput(req.request_id, added)
+            return StepOutput(req.request_id, added, logprobs=logprobs)
         with self._inbox_lock:
             self._live.discard(req.request_id)
-        return StepOutput(req.request_id, added, req.finish_reason.value, req.stats.to_dict())
+        return StepOutput(req.request_id, added, req.finish_reason.value, req.stats.to_dict(), logprobs)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason

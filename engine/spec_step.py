@@ -12,6 +12,7 @@ from torch.profiler import record_function
 
 from .draft_chain import chain_draft, take_chained
 from .draft_side import DraftProposal, DraftSide, draft_input
+from .logits_processing import StepLogprobs, process_logits, step_logprobs
 from .rejection import verify_greedy, verify_mixed
 from .request import Request
 from .spec_config import SpeculativeConfig
@@ -24,6 +25,7 @@ class StepResult:
     new_tokens: list[list[int]]  # per request: accepted drafts + the correction/bonus token (before stop checks)
     num_accepted: list[int]
     num_drafted: list[int]
+    logprobs: list[list[tuple] | None] | None = None  # per request, per new token (requests asking only)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class Launched:
     key: list[tuple] = ()  # launched ahead: per request the (anchor_pos, num_computed, anchor) it assumed
     host: Tensor | None = None  # on CUDA: `packed` copied to pinned memory as the accept ends ...
     ready: torch.cuda.Event | None = None  # ... and its event, so that reading it waits for nothing queued later
+    logprobs: StepLogprobs | None = None  # of the output tokens, for the rows that asked
+    logprobs_host: Tensor | None = None  # on CUDA: its values in pinned memory, copied before `ready`
 
 
 def _region(name: str):
@@ -82,7 +86,7 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
     ahead, rows = _take_ahead(target, reqs)
     rest = [r for r in reqs if r not in rows]
     fresh = _launch(target, draft, rest, spec) if rest else None  # queued behind the rows launched ahead
-    done: dict[Request, tuple[list[int], int, int]] = {}
+    done: dict[Request, tuple[list[int], int, int, list[tuple] | None]] = {}
     if ahead is not None:
         done.update(_finish(ahead, sorted(rows.values()), max_drafts))
     if fresh is not None:
@@ -96,15 +100,17 @@ def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], 
             _draft_ahead(draft, reqs, new_tokens, max_drafts)
     if getattr(target, "step_ahead", False):
         _step_ahead(target, draft, reqs, new_tokens, spec, max_drafts)
-    return StepResult(new_tokens, [done[r][1] for r in reqs], [done[r][2] for r in reqs])
+    return StepResult(new_tokens, [done[r][1] for r in reqs], [done[r][2] for r in reqs], [done[r][3] for r in reqs])
 
 
 def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], spec: SpeculativeConfig,
             proposal: DraftProposal | None = None, anchors: list[int] | None = None,
-            anchor_pos: list[int] | None = None, remaining: list[int] | None = None) -> Launched:
+            anchor_pos: list[int] | None = None, remaining: list[int] | None = None,
+            pending: list[list[int]] | None = None) -> Launched:
     """Draft (or take `proposal`, or the draft launched ahead), choose n, queue the verify and the accept; on the
-    static path nothing here waits for the device. anchors / anchor_pos / remaining override the requests' own
-    (the next step, launched before this one's tokens are appended)."""
+    static path nothing here waits for the device. anchors / anchor_pos / remaining override the requests' own,
+    and pending are the tokens committed before them (the next step, launched before this one's tokens are
+    appended). Rows with penalties or min_tokens are verified on their processed logits, never in the graph."""
     dev = target.device
     max_drafts = draft.num_speculative_tokens if draft is not None else 0
     t0 = time.perf_counter()
@@ -117,11 +123,15 @@ def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], sp
     with _region("dspark.verify"):
         logits, feats, accept = target.verify(reqs, drafts, n, anchors)
     hints = verify_hints(reqs)
-    if not hints["any_sampled"] and accept is not None:  # every row greedy, and the graph verified them
-        return Launched(reqs, proposal, n, feats, accept, (t1 - t0) * 1e3, t1, **_host_copy(accept))
     if drafts is None:
         drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
     width = logits.shape[1] - 1
+    processed = any(r.params.processes_logits for r in reqs)
+    if processed:
+        logits = process_logits(reqs, logits, drafts[:, :width], pending)
+    if not hints["any_sampled"] and accept is not None and not processed:  # all greedy, verified in the graph
+        lp = step_logprobs(reqs, logits, accept[:, 1:])
+        return Launched(reqs, proposal, n, feats, accept, (t1 - t0) * 1e3, t1, logprobs=lp, **_host_copy(accept, lp))
     with _region("dspark.accept"):
         if hints["any_sampled"]:
             params = sampling_tensors(reqs, dev, anchor_pos)
@@ -134,27 +144,37 @@ def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], sp
         else:  # every row greedy: no sampling parameters, no q
             result = verify_greedy(drafts[:, :width], to_device(n, torch.int64, dev), logits)
         packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1)  # [R, 2 + width]
-    return Launched(reqs, proposal, n, feats, packed, (t1 - t0) * 1e3, t1, **_host_copy(packed))
+    lp = step_logprobs(reqs, logits, result.output_tokens)
+    return Launched(reqs, proposal, n, feats, packed, (t1 - t0) * 1e3, t1, logprobs=lp, **_host_copy(packed, lp))
 
 
-def _host_copy(packed: Tensor) -> dict:
-    """Launched's host / ready: on CUDA the accept is copied to pinned memory as soon as it is computed."""
+def _pinned(x: Tensor) -> Tensor:
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return host.copy_(x, non_blocking=True)
+
+
+def _host_copy(packed: Tensor, logprobs: StepLogprobs | None = None) -> dict:
+    """Launched's host / ready (and logprobs_host): on CUDA the accept is copied to pinned memory as soon as it
+    is computed."""
     if not packed.is_cuda:
         return {}
-    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-    host.copy_(packed, non_blocking=True)
+    host = _pinned(packed)
+    lp_host = _pinned(logprobs.values) if logprobs is not None else None
     ready = torch.cuda.Event()
     ready.record()
-    return {"host": host, "ready": ready}
+    return {"host": host, "ready": ready, "logprobs_host": lp_host}
 
 
-def _finish(launched: Launched, rows, max_drafts: int) -> dict[Request, tuple[list[int], int, int]]:
+def _finish(launched: Launched, rows, max_drafts: int) -> dict[Request, tuple[list[int], int, int, list | None]]:
     """Read the accept counts (the step's host sync) and commit `rows` of the launch: request -> (its new tokens,
-    accepted drafts, verified drafts)."""
+    accepted drafts, verified drafts, the new tokens' logprobs or None)."""
+    lp = launched.logprobs
     with _region("dspark.accept"):
         if launched.ready is not None:
             launched.ready.synchronize()
         packed = (launched.host if launched.host is not None else launched.packed).tolist()
+        lp_values = None if lp is None else \
+            (launched.logprobs_host if launched.logprobs_host is not None else lp.values).tolist()
     t = time.perf_counter()
     out = {}
     for i in rows:
@@ -162,7 +182,8 @@ def _finish(launched: Launched, rows, max_drafts: int) -> dict[Request, tuple[li
         _commit_cache(r, a, launched.feats[i] if max_drafts else None)  # plain decoding keeps no draft context
         _record(r, a, k, launched.draft_ms, (t - launched.launched_at) * 1e3, max_drafts)
         r.stats.transfer_ms += launched.proposal.transfer_ms if launched.proposal is not None else 0.0
-        out[r] = (packed[i][1:a + 2], a, k)
+        tokens = packed[i][1:a + 2]
+        out[r] = (tokens, a, k, lp.of_row(lp_values, i, tokens) if lp is not None else None)
     return out
 
 
@@ -191,7 +212,7 @@ def _step_ahead(target: TargetSide, draft: DraftSide | None, reqs: list[Request]
     for r, k in zip(reqs, need):
         r.target_blocks.extend(pool.allocate_blocks(k) if k else [])
     anchors = [t[-1] for t in new_tokens]
-    launched = _launch(target, draft, reqs, spec, proposal, anchors, pos, remaining)
+    launched = _launch(target, draft, reqs, spec, proposal, anchors, pos, remaining, new_tokens)
     target.ahead = replace(launched, key=[(p, r.num_computed, a) for r, p, a in zip(reqs, pos, anchors)])
     if proposal is not None:
         chain_draft(draft, target.ahead, pos)
