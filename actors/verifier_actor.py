@@ -222,6 +222,18 @@ class VerifierActor:
         """The target's tokenizer, for the gateway (which tokenizes and detokenizes off the step loop)."""
         return self.llm.tokenizer.to_str() if self.llm.tokenizer is not None else None
 
+    def chat_template(self):
+        """The target's chat template (models.chat_template.ChatTemplate), or the configured file's; None when the
+        target has none and no file is configured."""
+        from dspark_serve.models.chat_template import ChatTemplateError, load_chat_template
+
+        try:
+            return load_chat_template(self.cfg.target, self.cfg.chat_template)
+        except ChatTemplateError:
+            if self.cfg.chat_template is not None:
+                raise
+            return None
+
     def stats(self) -> dict:
         s = self.llm.scheduler
         c = self._counters

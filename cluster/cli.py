@@ -77,7 +77,8 @@ def _serve(args: argparse.Namespace) -> int:
                       channel_host=args.channel_host, colocate=args.colocate, cpu_threads=args.cpu_threads,
                       channel_timeout_s=args.channel_timeout, keepalive_s=args.keepalive,
                       target_resources=_resources(args.target_resources, "--target-resources"),
-                      draft_resources=_resources(args.draft_resources, "--draft-resources"))
+                      draft_resources=_resources(args.draft_resources, "--draft-resources"),
+                      chat_template=args.chat_template)
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
                             drain_timeout_s=args.drain_timeout, max_prompt_chars=args.max_prompt_chars,
                             stream_messages_per_s=args.stream_messages_per_s, max_request_bytes=args.max_request_bytes,
@@ -85,12 +86,13 @@ def _serve(args: argparse.Namespace) -> int:
                             max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_string_chars,
                             max_stop_token_ids=args.max_stop_token_ids, max_abort_ids=args.max_abort_ids,
                             api_keys=_api_keys(args), ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                            ssl_ca_certs=args.ssl_ca_certs, health_port=args.health_port)
+                            ssl_ca_certs=args.ssl_ca_certs, health_port=args.health_port,
+                            http_port=args.http_port, served_model_name=args.served_model_name)
     try:
         pair.validate()
         _check_context_limit(target, args.max_model_len)
         gateway.validate()
-        for path in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs):
+        for path in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.chat_template):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"no such file: {path}")
         if args.speculative_config:
@@ -158,6 +160,8 @@ def _generate(args: argparse.Namespace) -> int:
         spec = SpeculativeConfig.from_json(args.speculative_config)
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(args.dtype)
         llm = LLM(args.target, args.draft, spec, device=args.device, dtype=dtype)
+        if args.chat:
+            prompt = _chat_ids(args.target, llm.tokenizer, prompt)
         out = llm.generate([prompt], params)[0]
     except (ValueError, CheckpointError) as e:
         raise SystemExit(f"dspark-serve generate: error: {e}") from None
@@ -236,9 +240,24 @@ def _bench(args: argparse.Namespace) -> int:
     return loadgen(args, _client_access(args))
 
 
-def _prompt(args: argparse.Namespace) -> str | list[int]:
+def _chat_ids(target: str, tokenizer, text: str) -> list[int]:
+    """--chat in-process: the prompt as one user message, rendered with the target's chat template."""
+    from dspark_serve.models.chat_template import encode_chat, load_chat_template
+
+    if tokenizer is None:
+        raise ValueError("--chat needs a tokenizer next to the target")
+    return encode_chat(load_chat_template(target), tokenizer, [{"role": "user", "content": text}],
+                       add_generation_prompt=True)
+
+
+def _prompt(args: argparse.Namespace) -> str | list[int] | list[dict]:
+    """--prompt TEXT, --prompt-ids; with --chat (a server's) the text as one user message."""
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ValueError("give exactly one of --prompt or --prompt-ids")
+    if args.chat and args.prompt is None:
+        raise ValueError("--chat needs --prompt TEXT")
+    if args.chat and args.server:
+        return [{"role": "user", "content": args.prompt}]
     if args.prompt is not None:
         return args.prompt
     try:
@@ -314,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", help="draft checkpoint directory (DeepSpec, z-lab DFlash, speculators or vLLM names)")
     g.add_argument("--prompt")
     g.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument("--chat", action="store_true",
+                   help="send --prompt as one user message, rendered with the model's chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -378,6 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssl-keyfile", help="PEM private key of --ssl-certfile")
     s.add_argument("--ssl-ca-certs", help="PEM CA certificates: mutual TLS, clients must present a certificate "
                                           "signed by one of them")
+    s.add_argument("--http-port", type=int,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
+                        "/v1/chat/completions, /health, /metrics) on this port, with the same keys; 0 picks a free one")
+    s.add_argument("--served-model-name", help="the model name HTTP clients send (default: the target as given)")
+    s.add_argument("--chat-template", help="a Jinja chat template file for chat input, overriding the target's")
     s.add_argument("--health-port", type=int, help="also serve grpc.health.v1 alone on this port, in plaintext (for "
                                                    "Kubernetes gRPC probes, which speak no TLS)")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest Generate request (default 4 MiB)")

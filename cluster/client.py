@@ -43,13 +43,17 @@ class DSparkClient:
         self.channel.close()
 
     @staticmethod
-    def request(prompt: str | list[int], *, request_id: str = "", num_speculative_tokens: int | None = None,
+    def request(prompt: str | list[int] | list[dict], *, request_id: str = "",
+                num_speculative_tokens: int | None = None,
                 confidence_threshold: float | None = None, disable_speculation: bool = False,
                 **sampling: Any) -> pb.GenerateRequest:
-        """`sampling`: temperature, top_p, top_k, min_p, seed, max_tokens, stop, stop_token_ids, ignore_eos."""
+        """`prompt`: text, token ids, or chat messages ({role, content} dicts, rendered by the server's chat
+        template). `sampling`: temperature, top_p, top_k, min_p, seed, max_tokens, stop, stop_token_ids, ignore_eos."""
         req = pb.GenerateRequest(request_id=request_id)
         if isinstance(prompt, str):
             req.text = prompt
+        elif prompt and isinstance(prompt[0], dict):
+            req.chat.messages.extend(pb.ChatMessage(**m) for m in prompt)
         else:
             req.token_ids.ids.extend(prompt)
         for key, value in sampling.items():
@@ -66,10 +70,12 @@ class DSparkClient:
         req.speculative.disable = disable_speculation
         return req
 
-    def stream(self, prompt: str | list[int], timeout: float | None = None, **kw: Any) -> Iterator[pb.GenerateResponse]:
+    def stream(self, prompt: str | list[int] | list[dict], timeout: float | None = None,
+               **kw: Any) -> Iterator[pb.GenerateResponse]:
         return self.stub.Generate(self.request(prompt, **kw), timeout=timeout, metadata=self.metadata)
 
-    def generate(self, prompt: str | list[int], timeout: float | None = None, **kw: Any) -> dict[str, Any]:
+    def generate(self, prompt: str | list[int] | list[dict], timeout: float | None = None,
+                 **kw: Any) -> dict[str, Any]:
         """Run to completion: the offline CLI's JSON shape (token_ids, text, finish_reason, stats)."""
         for msg in self.stream(prompt, timeout=timeout, **kw):
             if msg.HasField("complete"):

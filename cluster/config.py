@@ -29,6 +29,7 @@ class PairConfig:
     cpu_threads: int = 0  # torch threads of each CPU actor; 0: every CPU of its node (actors take turns in a step)
     target_resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources steering the verifier
     draft_resources: tuple[tuple[str, float], ...] = ()
+    chat_template: str | None = None  # a Jinja file overriding the target's chat template; read by the verifier
 
     def validate(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -64,6 +65,8 @@ class GatewayConfig:
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None  # mutual TLS: clients present a certificate signed by one of these
     health_port: int | None = None  # also serve grpc.health.v1 alone here, in plaintext (kubelet probes speak no TLS)
+    http_port: int | None = None  # also serve the OpenAI-compatible HTTP API and /metrics here (0: any free port)
+    served_model_name: str | None = None  # the `model` HTTP clients name; None: the target path as given
 
     def validate(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):

@@ -75,6 +75,11 @@ def _start_server(target: Path, draft: Path, cuda: bool, spec_config: str | None
     raise RuntimeError("the server did not start:\n" + "".join(log[-30:]))
 
 
+def _chat(text: str) -> list[dict]:
+    """One user message: the server renders it with the model's chat template."""
+    return [{"role": "user", "content": text}]
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)  # drains, then stops the pair and Ray
@@ -91,7 +96,6 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from dspark_serve.models.demo import DEMO_DRAFTER
     from dspark_serve.models.fetch import FetchError, fetch_demo_target
-    from dspark_serve.train.data import CHAT_TEMPLATE
 
     from .client import DSparkClient
 
@@ -128,10 +132,10 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         print(f"serving on {address}; warming up ...", flush=True)
         for disable in (False, True):  # the whole path once, so that the timed runs find it warm
-            client.generate(CHAT_TEMPLATE.format(PROMPTS[-1]), max_tokens=args.max_tokens or 128, temperature=0.0,
+            client.generate(_chat(PROMPTS[-1]), max_tokens=args.max_tokens or 128, temperature=0.0,
                             disable_speculation=disable)
         for n, text in enumerate(PROMPTS[:args.num_prompts], 1):
-            prompt = CHAT_TEMPLATE.format(text)
+            prompt = _chat(text)
             print(f"\n=== prompt {n}: {text.splitlines()[0][:80]}\n", flush=True)
             t0, final = time.perf_counter(), None
             for msg in client.stream(prompt, max_tokens=args.max_tokens or 128, temperature=0.0):

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import secrets
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,8 +17,9 @@ from dspark_serve.actors.request_stream import StreamClient
 from dspark_serve.engine.detokenize import TextStream, TokenText, text_stream
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
-from . import convert
+from . import chat, convert
 from .config import GatewayConfig
+from .metrics import ServingMetrics
 
 PAIR_TIMEOUT_S = 10.0  # a control call the pair does not answer in this long means it is gone
 INLINE_CHARS = 2048  # at light load, shorter texts are tokenized on the event loop (< ~0.5 ms), saving a thread hop
@@ -57,6 +60,9 @@ class GatewayCore:
         self.conn: StreamClient | None = None
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dspark-tokenize")
         self._pump: asyncio.Task | None = None
+        self.chat_template: Any = None  # models.chat_template.ChatTemplate: the verifier's, fetched once
+        self.served_model_name = cfg.served_model_name or model_info["target"]
+        self.metrics: ServingMetrics | None = None  # counts every finished sequence when set
 
     async def start(self) -> None:
         await self.attach(self.verifier)
@@ -73,6 +79,7 @@ class GatewayCore:
             tokenizer_json = await asyncio.wait_for(verifier.tokenizer_json.remote(), PAIR_TIMEOUT_S)
             if tokenizer_json is not None:
                 self.token_text = await loop.run_in_executor(self._pool, _token_text, tokenizer_json)
+            self.chat_template = await asyncio.wait_for(verifier.chat_template.remote(), PAIR_TIMEOUT_S)
         host, port, secret = await asyncio.wait_for(verifier.stream_address.remote(), PAIR_TIMEOUT_S)
         self.conn = await StreamClient.connect(host, port, secret)
         self._pump = loop.create_task(self._pump_frames(self.conn))
@@ -126,7 +133,8 @@ class GatewayCore:
             raise ValueError(f"request is {req.ByteSize()} bytes; the limit is {self.cfg.max_request_bytes}")
         convert.check_limits(req, self.cfg)
         info = self.info
-        prompt = convert.prompt(req, info["vocab_size"], info["max_model_len"])
+        prompt = (chat.render(self.chat_template, req.chat) if req.WhichOneof("input") == "chat"
+                  else convert.prompt(req, info["vocab_size"], info["max_model_len"]))
         if isinstance(prompt, str):
             if self.token_text is None:
                 raise ValueError("text input needs a tokenizer next to the target; send token_ids")
@@ -153,6 +161,20 @@ class GatewayCore:
 
     async def generate(self, req: pb.GenerateRequest, deadline_s: float | None,
                        caller: str) -> AsyncIterator[pb.GenerateResponse]:
+        """_generate's messages; each final one is counted in `metrics`, with its time to first token and end to
+        end as the gateway saw them."""
+        start, first = time.monotonic(), {}
+        async with aclosing(self._generate(req, deadline_s, caller)) as stream:
+            async for response in stream:
+                if response.HasField("chunk"):
+                    first.setdefault(response.index, time.monotonic() - start)
+                elif self.metrics is not None:
+                    self.metrics.finished(response.request_id, response.index, response.complete,
+                                          first.get(response.index), time.monotonic() - start)
+                yield response
+
+    async def _generate(self, req: pb.GenerateRequest, deadline_s: float | None,
+                        caller: str) -> AsyncIterator[pb.GenerateResponse]:
         """`caller` (auth.Access) scopes request ids: callers may pick the same id. The step loop knows each
         request by a fresh random key, so an id reused right after a cancel never meets its predecessor there."""
         if self.draining:
@@ -181,6 +203,7 @@ class GatewayCore:
             except asyncio.TimeoutError:
                 raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded while tokenizing the prompt") from None
             live.num_prompt_tokens = len(ids)
+            self._fill_context(req, params, len(ids))
             if self.conn is None:
                 raise GatewayError("UNAVAILABLE", UNAVAILABLE)
             self.conn.send(("add", key, ids, params, n, threshold))
@@ -274,7 +297,13 @@ class GatewayCore:
 
     def model_info(self) -> pb.ModelInfo:
         self._check_pair()
-        return pb.ModelInfo(**self.info)
+        return pb.ModelInfo(**self.info, served_model_name=self.served_model_name,
+                            has_chat_template=self.chat_template is not None)
+
+    def _fill_context(self, req: pb.GenerateRequest, params: dict, num_prompt_tokens: int) -> None:
+        """Chat input without max_tokens may fill the context, as OpenAI's chat API does."""
+        if req.WhichOneof("input") == "chat" and not req.sampling.HasField("max_tokens"):
+            params["max_tokens"] = self.info["max_model_len"] - num_prompt_tokens
 
     async def drain(self, timeout_s: float) -> None:
         """Stop admitting, let running requests finish (up to timeout_s), then end the rest: each gets a final
@@ -298,4 +327,5 @@ def _token_text(tokenizer_json: str) -> TokenText:
 
 
 def _encode(text: TokenText, prompt: str) -> list[int]:
-    return text.tokenizer.encode_batch([prompt])[0].ids  # encode_batch releases the GIL; encode does not
+    # encode_batch releases the GIL; encode does not. A rendered chat holds its special tokens already.
+    return text.tokenizer.encode_batch([prompt], add_special_tokens=not isinstance(prompt, chat.ChatText))[0].ids

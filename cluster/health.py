@@ -16,8 +16,10 @@ SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.Health
 class Health:
     def __init__(self) -> None:
         self.servicer = health.aio.HealthServicer()
+        self.serving = False
 
     async def set(self, serving: bool) -> None:
+        self.serving = serving
         for name in ("", SERVICE_NAME):
             await self.servicer.set(name, SERVING if serving else NOT_SERVING)
 

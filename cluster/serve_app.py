@@ -1,4 +1,5 @@
-"""The Ray Serve application: one ingress deployment that owns a draft+verifier pair and answers dspark.v1 gRPC.
+"""The Ray Serve application: one ingress deployment that owns a draft+verifier pair and answers dspark.v1 gRPC and,
+at Serve's HTTP proxy, the OpenAI-compatible API (metrics go through Ray's metrics API).
 
 The pair's actors get their own GPUs and placement group (bundle 0 verifier, bundle 1 draft), steered by custom
 resources onto the target-gpu / draft-gpu worker groups. The step loop runs inside the pair; the replica only
@@ -21,9 +22,12 @@ from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 from .auth import Access
 from .config import GatewayConfig, PairConfig
 from .handlers import GatewayCore
+from .metrics import GaugeRefresher, RaySink, ServingMetrics, log_requests_to_stderr
 from .servicer import status
 
-BUILTIN_TINY = "builtin:tiny"  # a tiny constructed pair written at startup (laptop / CI demo)
+BUILTIN_TINY = "builtin:tiny"  # a tiny constructed pair written at startup, with a byte-level tokenizer (laptop / CI)
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def _resources(d: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
@@ -32,6 +36,7 @@ def _resources(d: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1000, health_check_period_s=10,
                   health_check_timeout_s=30)
+@serve.ingress()
 class DSpark:
     def __init__(self, target: str, draft: str | None = None, speculative_config: str | dict | None = None,
                  device: str = "auto", dtype: str | None = None, block_size: int = 16, num_kv_blocks: int = 2048,
@@ -39,29 +44,35 @@ class DSpark:
                  target_resources: dict[str, float] | None = None, draft_resources: dict[str, float] | None = None,
                  max_queue: int = 256, max_request_bytes: int = 4 << 20, channel_host: str | None = None,
                  num_cpus: float = 1.0, colocate: bool | None = None, cpu_threads: int = 0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, served_model_name: str | None = None,
+                 chat_template: str | None = None) -> None:
         import json
 
         import ray
 
         from .pair import create_pair
 
+        log_requests_to_stderr()
+        served_model_name = served_model_name or target
         if target == BUILTIN_TINY:
             from dspark_serve.models.random_init import random_pair
 
             self._tmp = tempfile.TemporaryDirectory()
             target, draft = map(str, random_pair(self._tmp.name, agree=0.005, block_size=6))
+            _write_tiny_tokenizer(target)
         spec = json.dumps(speculative_config) if isinstance(speculative_config, dict) else speculative_config
         self.pair_cfg = PairConfig(
             target=target, draft=draft, speculative_config=spec, device=device, dtype=dtype, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len, placement=placement,
             channel_host=channel_host, num_cpus=num_cpus, colocate=colocate, cpu_threads=cpu_threads,
             target_resources=_resources(target_resources),
-            draft_resources=_resources(draft_resources))
+            draft_resources=_resources(draft_resources), chat_template=chat_template)
         self.pair = create_pair(self.pair_cfg)
         info = ray.get(self.pair.verifier.model_info.remote())
-        self.core = GatewayCore(self.pair.verifier, info, GatewayConfig(max_queue=max_queue,
-                                                                        max_request_bytes=max_request_bytes))
+        self.gateway_cfg = GatewayConfig(max_queue=max_queue, max_request_bytes=max_request_bytes,
+                                         served_model_name=served_model_name)
+        self.core = GatewayCore(self.pair.verifier, info, self.gateway_cfg)
+        self.core.metrics = ServingMetrics(RaySink(), self.core.served_model_name)
         self.access = _access(api_key)
         self._started: asyncio.Task | None = None
 
@@ -77,7 +88,23 @@ class DSpark:
 
         await self.core.start()
         self.supervisor = PairSupervisor(self.pair_cfg, self.pair, self.core.detach, self._attach)
-        self._watch = asyncio.get_running_loop().create_task(self.supervisor.run())
+        loop = asyncio.get_running_loop()
+        self._watch = loop.create_task(self.supervisor.run())
+        self._gauges = loop.create_task(GaugeRefresher(self.core.metrics, self.core.server_stats).run())
+
+    def __serve_build_asgi_app__(self) -> Any:
+        """The OpenAI-compatible HTTP API on this replica's core (Serve's HTTP proxy routes to it)."""
+        from .openai_api import HttpApi, build_app
+
+        async def core() -> GatewayCore:
+            await self._ready()
+            return self.core
+
+        async def serving() -> bool:
+            await self._ready()
+            return self.core.conn is not None and not self.core.draining
+
+        return build_app(HttpApi(core, self.access, serving, self.gateway_cfg.max_request_bytes))
 
     async def _attach(self, pair) -> None:
         self.pair = pair
@@ -129,6 +156,26 @@ class DSpark:
         pair = getattr(self, "pair", None)
         if pair is not None:
             pair.shutdown()
+
+
+def _write_tiny_tokenizer(target: str) -> None:
+    """Byte-level BPE over the tiny pair's 512 ids (the 256 bytes, then 256 letter pairs) and a chat template."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from dspark_serve.engine.detokenize import _CHAR_BYTES
+
+    vocab = {c: b for c, b in _CHAR_BYTES.items()}
+    letters = "etaoinshrdlucmfw"
+    merges = [(a, b) for a in letters for b in letters]
+    vocab.update((a + b, 256 + i) for i, (a, b) in enumerate(merges))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(Path(target) / "tokenizer.json"))
+    (Path(target) / "tokenizer_config.json").write_text(json.dumps({"chat_template": TINY_CHAT_TEMPLATE}))
 
 
 def _access(api_key: str | None) -> Access:

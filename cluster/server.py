@@ -1,5 +1,5 @@
-"""Gateway lifecycle: start the grpc.aio server (service, health, reflection; TLS when configured), drain on
-SIGTERM, stop."""
+"""Gateway lifecycle: start the grpc.aio server (service, health, reflection; TLS when configured) and, with an HTTP
+port, the OpenAI-compatible API with /metrics on the same loop and core; drain on SIGTERM, stop."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from .auth import Access
 from .config import GatewayConfig
 from .handlers import GatewayCore
 from .health import Health
+from .metrics import GaugeRefresher, PrometheusSink, ServingMetrics
 from .servicer import SERVICE_NAME, GenerationServicer, rpc_handlers
 
 
@@ -26,12 +27,16 @@ class GatewayServer:
         self.core: GatewayCore | None = None
         self.health = Health()
         self.port = 0
+        self.http = None  # http_server.HttpServer, with cfg.http_port
+        self.http_port: int | None = None
+        self.metrics_sink = PrometheusSink()
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
         info = await self.verifier.model_info.remote()
         self.core = GatewayCore(self.verifier, info, self.cfg)
+        self.core.metrics = ServingMetrics(self.metrics_sink, self.core.served_model_name)
         # Up to twice the largest limit a body reaches our readers, which answer INVALID_ARGUMENT naming the limit;
         # grpc refuses anything larger from its length prefix, before reading it.
         limit = 2 * max(self.cfg.max_request_bytes, self.cfg.max_control_request_bytes)
@@ -55,11 +60,34 @@ class GatewayServer:
         await self.server.start()
         if self.probe_server is not None:
             await self.probe_server.start()
+        if self.cfg.http_port is not None:
+            await self._start_http()
         await self.health.set(True)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.health.watch_pair(lambda: self.core.verifier if self.core.conn else None,
                                                                    lambda: self.core.draining)))
         return self.port
+
+    async def _start_http(self) -> None:
+        from .http_server import HttpServer
+        from .openai_api import HttpApi, build_app
+
+        gauges = GaugeRefresher(self.core.metrics, self.core.server_stats)
+
+        async def core() -> GatewayCore:
+            return self.core
+
+        async def serving() -> bool:
+            return self.health.serving
+
+        async def metrics_text() -> tuple[bytes, str]:
+            await gauges.refresh()
+            return self.metrics_sink.text()
+
+        api = HttpApi(core, Access(self.cfg.api_keys), serving, self.cfg.max_request_bytes, metrics_text)
+        self.http = HttpServer(build_app(api), self.cfg)
+        self.http_port = await self.http.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(gauges.run()))
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
@@ -78,6 +106,8 @@ class GatewayServer:
     async def stop(self, grace_s: float = 2.0) -> None:
         for t in self._tasks:
             t.cancel()
+        if self.http is not None:
+            await self.http.stop()
         if self.core is not None:
             await self.core.close()
         if self.server is not None:

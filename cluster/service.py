@@ -6,8 +6,10 @@ import asyncio
 import sys
 from dataclasses import replace
 from collections.abc import Callable
+from typing import Any
 
 from .config import GatewayConfig, PairConfig
+from .metrics import log_requests_to_stderr
 
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> None:
@@ -28,7 +30,8 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
              runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
 
 
-async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[[int], None] | None = None) -> None:
+async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[[Any], None] | None = None) -> None:
+    """`on_ready(server)`: the started server.GatewayServer (its port, its http_port)."""
     from .pair import create_pair
     from .server import GatewayServer
     from .supervisor import PairSupervisor
@@ -38,13 +41,13 @@ async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[
     server = GatewayServer(pair.verifier, gw_cfg)
     supervisor = None
     try:
-        port = await server.start()
+        await server.start()
         supervisor = PairSupervisor(pair_cfg, pair, server.core.detach, lambda p: server.core.attach(p.verifier),
                                     lambda: server.core.draining)
         watch = loop.create_task(supervisor.run())
         server.install_signal_handlers()
         if on_ready is not None:
-            on_ready(port)
+            on_ready(server)
         await server.wait()
         watch.cancel()
     finally:
@@ -56,13 +59,17 @@ async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[
 
 def run(pair_cfg: PairConfig, gw_cfg: GatewayConfig, address: str | None, num_cpus: int | None) -> int:
     start_ray(address, num_cpus)
+    log_requests_to_stderr()
     import ray
 
     if not address and pair_cfg.channel_host is None:
         pair_cfg = replace(pair_cfg, channel_host="127.0.0.1")
 
-    def ready(port: int) -> None:
-        print(f"dspark-serve: serving dspark.v1.Generation on {gw_cfg.host}:{port}", flush=True)
+    def ready(server) -> None:
+        if server.http_port is not None:  # first: the gRPC line below is the one scripts wait for
+            print(f"dspark-serve: serving the OpenAI-compatible HTTP API on {gw_cfg.host}:{server.http_port}",
+                  flush=True)
+        print(f"dspark-serve: serving dspark.v1.Generation on {gw_cfg.host}:{server.port}", flush=True)
 
     try:
         asyncio.run(serve(pair_cfg, gw_cfg, ready))

@@ -42,7 +42,7 @@ def server_leaks(timeout_s: float = 10.0) -> list[str]:
     for srv in list(SERVERS):
         if getattr(srv, "proc", None) is None or srv.proc.poll() is not None or srv.address is None or not srv.checked:
             continue
-        client = DSparkClient(srv.address)
+        client = DSparkClient(srv.address, api_key=getattr(srv, "api_key", None))
         try:
             end = time.monotonic() + timeout_s
             s = client.server_stats()

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,11 +15,13 @@ from pathlib import Path
 class ServerProcess:
     def __init__(self, target: Path | None, draft: Path | None, *extra: str, timeout_s: float = 180.0,
                  check_blocks: bool = True) -> None:
-        """check_blocks: after each test the block invariant is checked on this server (plaintext, no key)."""
+        """check_blocks: after each test the block invariant is checked on this server (plaintext; with the first
+        --api-key when it has keys)."""
         import block_invariant
 
-        self.checked = check_blocks and not any(a.startswith(("--api-key", "--ssl")) for a in extra)
-        self.address = None
+        self.checked = check_blocks and not any(a.startswith("--ssl") for a in extra)
+        self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
+        self.address = self.http_address = None
         block_invariant.SERVERS.add(self)
         cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", *(["--target", str(target)] if target else []),
                "--port", "0",
@@ -34,12 +37,22 @@ class ServerProcess:
             if not line and self.proc.poll() is not None:
                 break
             self.log.append(line)
+            m = re.search(r"serving the OpenAI-compatible HTTP API on (127\.0\.0\.1:\d+)", line)
+            if m:
+                self.http_address = m.group(1)
             m = re.search(r"serving dspark.v1.Generation on (127\.0\.0\.1:\d+)", line)
             if m:
                 self.address = m.group(1)
         if self.address is None:
             self.kill()
             raise RuntimeError("server did not start:\n" + "".join(self.log))
+        # The server logs a line per request: read on, or a full pipe would block it.
+        self._reader = threading.Thread(target=self._read_log, daemon=True)
+        self._reader.start()
+
+    def _read_log(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
 
     def terminate(self) -> None:
         """SIGTERM to the server process only (not its Ray workers): it drains and stops the pair itself."""
@@ -47,7 +60,7 @@ class ServerProcess:
 
     def wait(self, timeout: float = 60.0) -> int:
         rc = self.proc.wait(timeout)
-        self.log.append(self.proc.stdout.read())
+        self._reader.join(timeout)
         return rc
 
     def kill(self) -> None:

@@ -134,6 +134,21 @@ def test_serve_grpc_proxy_maps_errors_and_keeps_serving(serve_app):
     assert len(serve_app.generate([1, 2], temperature=0.0, max_tokens=4, timeout=30)["token_ids"]) == 4
 
 
+def test_serve_http_answers_an_openai_chat_completion(serve_app):
+    """The same replica behind Serve's HTTP proxy: the openai client's chat completion, the gRPC chat's tokens."""
+    import openai
+
+    messages = [{"role": "user", "content": "hello"}]
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused", max_retries=0, timeout=60)
+    resp = client.chat.completions.create(model="builtin:tiny", messages=messages, temperature=0.0, max_tokens=12,
+                                          extra_body={"ignore_eos": True})
+    ref = serve_app.generate(messages, temperature=0.0, max_tokens=12, ignore_eos=True, timeout=60)
+    assert resp.choices[0].message.content == ref["text"] and resp.usage.completion_tokens == 12
+    assert resp.choices[0].finish_reason == "length" and resp.to_dict()["dspark"]["num_spec_steps"] >= 1
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=messages, max_tokens=2)
+
+
 def test_install_script_in_a_clean_venv(tmp_path):
     """What the Dockerfiles RUN (deploy/install.sh), in a fresh venv: the package, its stubs and the CLI."""
     venv = tmp_path / "venv"
