@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session's checks, for an offline GPU host with this checkout (no install; the source tree is imported):
+# The GPU checks, for an offline GPU host with this checkout (no install; the source tree is imported):
 # the GPU test tier, the step benchmark (bench_gpu.py) and, when the demo target is at $DSPARK_TARGET, the
 # real-pair benchmark against transformers' compiled generate. Logs and JSON go to ${OUT:-gpu-out}.
 # usage: OUT=dir [DSPARK_TARGET=dir] bash scripts/gpu_check.sh [quick]

