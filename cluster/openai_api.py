@@ -167,7 +167,8 @@ class _Answer:
             lp = None
             if self.opts.top_logprobs is not None and msg.chunk.logprobs:
                 lp = oc.logprobs_json(list(msg.chunk.logprobs), self.piece, self.opts.chat, offset)
-            out.append(oc.chunk_json(*args, text=msg.chunk.text, logprobs=lp))
+            if msg.chunk.text or lp:  # tokens that end inside a UTF-8 character have no text yet
+                out.append(oc.chunk_json(*args, text=msg.chunk.text, logprobs=lp))
         else:
             out.append(oc.chunk_json(*args, final=seq.final))
         return out

@@ -17,7 +17,7 @@ _ERROR_KIND = {400: ("invalid_request_error", None), 401: ("invalid_request_erro
                404: ("invalid_request_error", "model_not_found"), 409: ("invalid_request_error", "conflict"),
                413: ("invalid_request_error", "request_too_large"), 429: ("rate_limit_error", "rate_limit_exceeded"),
                503: ("server_error", "service_unavailable"), 504: ("server_error", "timeout")}
-# Sampling fields that map one to one: (OpenAI / vLLM name, proto field, JSON type)
+# Sampling fields with the same name in OpenAI's (or vLLM's) JSON and in the proto, by JSON type
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed", "min_tokens")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")

@@ -327,3 +327,25 @@ def test_status_mapping_without_a_server():
     assert client.post("/v1/completions", json={**body, "prompt": "x" * 2000}).status_code == 413
     assert client.post("/v1/completions", content=b"{not json").status_code == 400
     assert client.get("/metrics").status_code == 404  # no metrics_text: the Serve app exports through Ray
+
+
+def test_serve_flags_reach_the_configs_and_the_verifier(monkeypatch, pair_dirs, tmp_path):
+    """--http-port, --served-model-name and --chat-template land in the configs; the verifier reads the file, which
+    overrides the target's template (and the target's own is used without it)."""
+    from types import SimpleNamespace
+
+    from dspark_serve.actors.verifier_actor import VerifierActor
+    from dspark_serve.cluster import cli, service
+    from dspark_serve.cluster.config import PairConfig
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}!")
+    seen = {}
+    monkeypatch.setattr(service, "run", lambda pair, gateway, address, num_cpus: seen.update(pair=pair, gw=gateway))
+    cli.main(["serve", str(pair_dirs[0]), "--http-port", "8123", "--served-model-name", "m", "--chat-template",
+              str(path)])
+    assert (seen["pair"].chat_template, seen["gw"].http_port, seen["gw"].served_model_name) == (str(path), 8123, "m")
+    for file, expected in ((str(path), "{{ messages[0]['content'] }}!"), (None, TEMPLATE)):
+        actor = SimpleNamespace(cfg=PairConfig(target=str(pair_dirs[0]), chat_template=file))
+        assert VerifierActor.chat_template(actor).template == expected
+    assert VerifierActor.chat_template(SimpleNamespace(cfg=PairConfig(target=str(tmp_path)))) is None
