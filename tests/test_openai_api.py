@@ -245,14 +245,25 @@ def test_a_finished_request_logs_one_json_line(server, oai):
     assert line["finish_reason"] == resp.choices[0].finish_reason and line["ttft_s"] > 0 and line["tau"] >= 1
 
 
-def test_a_client_that_leaves_frees_its_request(server, grpc_client):
-    """Not streamed: the server notices the closed connection and aborts the request (its blocks are freed)."""
-    with pytest.raises(TimeoutError):
-        _http(server, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 3], **LONG}, KEY, timeout=1.0)
-    end = time.monotonic() + 3
+def _wait_idle(grpc_client, timeout_s: float = 3.0) -> int:
+    end = time.monotonic() + timeout_s
     while grpc_client.server_stats().num_running and time.monotonic() < end:
         time.sleep(0.05)
-    assert grpc_client.server_stats().num_running == 0
+    return grpc_client.server_stats().num_running
+
+
+def test_a_client_that_leaves_frees_its_request(server, grpc_client):
+    """Streamed or not, the server notices the closed connection and aborts the request (its blocks are freed)."""
+    body = {"model": MODEL, "prompt": [1, 2, 3], **LONG}
+    with pytest.raises(TimeoutError):
+        _http(server, "/v1/completions", body, KEY, timeout=1.0)
+    assert _wait_idle(grpc_client) == 0
+    req = urllib.request.Request(f"http://{server.http_address}/v1/completions", json.dumps({**body, "stream": True})
+                                 .encode(), {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.readline().startswith(b"data: {")
+        assert grpc_client.server_stats().num_running == 1
+    assert _wait_idle(grpc_client) == 0
 
 
 def test_chat_input_renders_like_transformers(grpc_client, hf_tokenizer):
