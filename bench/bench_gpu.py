@@ -1,11 +1,11 @@
-"""The GPU step benchmark (issue 8): copy bandwidth, plain decode against the weight-bytes floor, a 1 + 7 verify
+"""The GPU step benchmark: copy bandwidth, plain decode against the weight-bytes floor, a 1 + 7 verify
 step against a plain step, and the DSpark draft block against the verify step, on random weights at Qwen3-8B and
 Qwen3-0.6B shapes. Each row times the engine's own TargetSide / DraftSide calls (host metadata included), with
 CUDA graphs (static shapes) and eagerly. Prints a table and writes JSON.
 
 usage: python bench/bench_gpu.py [--models 8b 0.6b] [--batch 1 8 32 64] [--context 512] [--json OUT]
        python bench/bench_gpu.py --tiny --device cpu     # the same code path on tiny shapes (a CI smoke test)
-The real-pair end-to-end numbers are bench/bench_pair.py; two GPUs through the actors are bench/bench_channel.py.
+The real-pair end-to-end numbers are bench/bench_pair.py; two GPUs through the actors are bench/bench_two_gpus.py.
 """
 
 from __future__ import annotations

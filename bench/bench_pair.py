@@ -63,7 +63,7 @@ def first_token_ms(llm: LLM, prompts: list[str], params: SamplingParams) -> floa
 
 
 def concurrency_rows(plain: LLM, spec: LLM, pool: list[str], levels: list[int], max_tokens: int) -> list[dict]:
-    """P6: plain vs speculative tok/s with c requests at once, greedy (held-out prompts, cycled when fewer)."""
+    """Plain vs speculative tok/s with c requests at once, greedy (held-out prompts, cycled when fewer)."""
     rows = []
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for c in levels:
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--speed-prompts", type=int, default=8, help="code prompts timed at batch 1 (0: skip)")
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' compiled generate")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[],
-                    help="also plain vs speculative tok/s with this many code prompts at once, e.g. 1 8 32 64 (P6)")
+                    help="also plain vs speculative tok/s with this many code prompts at once, e.g. 1 8 32 64")
     ap.add_argument("--device")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="default: the checkpoint's on CUDA, fp32 on CPU")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (to compare)")

@@ -1,16 +1,16 @@
-"""How fast a plain read of each bench_nvfp4 shape's draft weight is: a bound on issue 4's goals per shape, as good as
-the read itself.
+"""How fast a plain read of each bench_nvfp4 shape's draft weight is: a bound on what a GEMV of that shape can
+reach, as good as the read itself.
 
 A GEMV reads its NVFP4 bytes (packed + scales) once per call. Each row times, in a CUDA graph cycling through copies
 larger than L2 (as bench_nvfp4 does), a streaming read of exactly those bytes (16-byte loads, several in flight per
 thread, an XOR per program stored so nothing is optimised away), the best of a grid of block sizes, and an empty
-kernel's launch. It reports the read as % of the copy bandwidth (the goal's measure) and bf16 `F.linear`'s time over
-it: the `% of copy` and `x vs bf16` a GEMV as fast as that read would reach. It is not a strict floor: at the 8B
-target's o projection the one-row bf16 GEMV read its weight 4 % faster (bench/RESULTS.md). Two more reads take the
-mma GEMV's access pattern (each program's rows, 64 + 8 bytes of each per 128-K chunk): from the ModelOpt row layout,
-and from a tile-major one where a 16-row tile's chunk is one 1 KB piece. --dense adds the target's bf16
-projections: each weight's read against the GEMVs the target runs at one row (plain decode) and 8 rows (verify
-1 + 7).
+kernel's launch. It reports the read as % of the copy bandwidth (as bench_nvfp4 reports a GEMV) and bf16 `F.linear`'s
+time over it: the `% of copy` and `x vs bf16` a GEMV as fast as that read would reach. It is not a strict floor: at
+the 8B target's o projection the one-row bf16 GEMV read its weight 4 % faster (bench/RESULTS.md). Two more reads take
+the mma GEMV's access pattern (each program's rows, 64 + 8 bytes of each per 128-K chunk): from the ModelOpt row
+layout, and from a tile-major one where a 16-row tile's chunk is one 1 KB piece. --dense adds the target's bf16
+projections: each weight's read against the GEMVs the target runs at one row (plain decode) and 8 rows
+(verify 1 + 7).
 Usage: python bench/bench_read_floor.py [--shapes ...] [--dense] [--json out.json]
 """
 

@@ -1,4 +1,4 @@
-"""Issue 8 (f) / P5: speculative decoding at batch 1 with the draft on one GPU and the verifier on another (two Ray
+"""Speculative decoding at batch 1 with the draft on one GPU and the verifier on another (two Ray
 actors, the NCCL step channel) against both co-located in one process on one GPU, and against the service's
 `--colocate` actor (the draft inside the verifier actor), measured in one run; plus the per-step coordination time
 (the channel's wall time minus the draft's compute, as the verifier sees it).

@@ -2,8 +2,8 @@
 (+ bias) -> [M, N], bf16 weights, fp32 accumulation, one output rounding.
 
 At batch 1 cuBLAS picks 64-row tiles without split-K for the 8B's qkv projection ([6144, 4096]: 96 CTAs on 132
-SMs) and split-K plus a reduce kernel for o and down (bench/RESULTS.md, P1). Here every program owns BLOCK_N rows
-and walks all of K, so N / BLOCK_N programs fill the SMs without split-K and nothing follows the kernel.
+SMs) and split-K plus a reduce kernel for o and down (bench/RESULTS.md, the 8B step). Here every program owns
+BLOCK_N rows and walks all of K, so N / BLOCK_N programs fill the SMs without split-K and nothing follows the kernel.
 
 * M == 1: CUDA cores. acc [BN, BK] += w * x over K tiles, one reduction at the end. With SWIGLU, w is the fused
   [gate; up] weight [2I, K] and a program owns BN/2 gate rows and their BN/2 up rows; the epilogue writes

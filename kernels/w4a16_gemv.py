@@ -65,8 +65,8 @@ def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool
     0.51-0.75x); above 16 rows the sweep's best, one for long K or a vocab-sized N (fc, down, lm_head), one for
     the rest. With mma_ok (an sm_90 device and dispatch.GEMV_MMA), M <= 16 takes the register-fed mma kernel where
     its shapes allow (K % 128 == 0, N % 16 == 0): 1.0-1.5x the kernels above at the 8B draft shapes (one sweep);
-    two chunks per loop step (unroll) for lm_head at one row and fc, gate/up, down at 2-8 rows (the eleventh
-    session's sweep: 3.6-7.5 % faster)."""
+    two chunks per loop step (unroll) for lm_head at one row and fc, gate/up, down at 2-8 rows (3.6-7.5 % faster
+    in the unroll sweep)."""
     if mma_ok and m <= 16 and mma_fits(n, k):   # the 2026-12-01 sweeps' best: 8-warp programs up to 8 rows of x;
         unroll = 2 if k % 256 == 0 else 1       # two 128-K chunks per loop step where they measured faster
         if n >= 65536:                          # a vocab-sized N with the L2::128B hint on its weight loads

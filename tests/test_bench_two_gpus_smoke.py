@@ -1,5 +1,5 @@
 """bench/bench_two_gpus.py on CPU: the split pair (two Ray actors, the gloo step channel) and the co-located engine
-both decode, and the report carries what P5 compares."""
+both decode, and the report carries the split / co-located ratio and the coordination time."""
 
 import json
 import sys

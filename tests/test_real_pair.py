@@ -31,7 +31,7 @@ def test_shipped_drafter_is_small_and_nvfp4():
 
 
 def test_real_pair_greedy_is_lossless_and_tau_above_3():
-    """Issue 7's bar is tau > 2 here and >= 3 on the full held-out code set; these 6 prompts x 64 tokens give 3.47."""
+    """The bar is tau > 2 here and >= 3 on the full held-out code set; these 6 prompts x 64 tokens give 3.47."""
     prompts = [CHAT_TEMPLATE.format(json.loads(line)["prompt"]) for line in HELDOUT.read_text().splitlines()[:6]]
     params = SamplingParams(temperature=0.0, max_tokens=64)
     kw = dict(device="cpu", dtype=torch.float32, num_kv_blocks=512, max_num_seqs=len(prompts))
