@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from engine_pairs import build_pair
+from penalized import next_logits, penalized
 
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling import processed_probs
@@ -25,13 +26,11 @@ def _chi2_sf(x: float, dof: int) -> float:
 
 
 def _exact_joint(target, params: SamplingParams) -> dict[tuple[int, int], float]:
-    """P(t2, t3) under the target alone (t1 summed out), with the request's temperature / top-k / top-p / min-p."""
+    """P(t2, t3) under the target alone (t1 summed out), with the request's penalties (a plain loop over the
+    output so far) and temperature / top-k / top-p / min-p."""
     def p_next(seq):
-        with torch.no_grad():
-            from dspark_serve.engine.reference import _meta
-            cache = target.allocate_kv_cache(4, 8)
-            hidden, _ = target(torch.tensor(seq), torch.arange(len(seq)), _meta(0, len(seq), 8, 4, "cpu"), cache)
-            logits = target.compute_logits(hidden[-1:])[None].float()
+        out = seq[len(PROMPT):]
+        logits = penalized(next_logits(target, seq), PROMPT, out, params)[None, None]
         t = lambda x, d: torch.tensor([x], dtype=d)  # noqa: E731
         return processed_probs(logits, t(params.temperature, torch.float32), t(params.top_k, torch.int64),
                                t(params.top_p, torch.float32), t(params.min_p, torch.float32))[0, 0].double()
@@ -59,9 +58,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+AGREE = dict(agree=0.05)  # token 2 is an accepted draft in about half the samples: token 3 sees it as a draft
+PENALTY_CASES = {
+    "repetition": (AGREE, {}, SamplingParams(temperature=1.0, max_tokens=3, repetition_penalty=2.0)),
+    "presence": (AGREE, {}, SamplingParams(temperature=1.0, max_tokens=3, presence_penalty=2.0)),
+    "frequency": (AGREE, {}, SamplingParams(temperature=1.0, max_tokens=3, frequency_penalty=1.5)),
+    "penalties-combined": (AGREE, {}, SamplingParams(temperature=0.9, top_k=6, max_tokens=3, repetition_penalty=1.5,
+                                                     presence_penalty=1.5, frequency_penalty=0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES) + list(PENALTY_CASES))
 def test_speculative_sampling_matches_target_distribution(name):
-    kw, spec, params = CASES[name]
+    """The penalty cases: the penalized target's distribution, token 3 penalized for token 2 as a draft."""
+    kw, spec, params = {**CASES, **PENALTY_CASES}[name]
     target, draft = build_pair(seed=11, vocab=VOCAB, block_size=3, markov_rank=4, **kw)
     llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=4096, max_num_seqs=512)
     outs = llm.generate([PROMPT] * SAMPLES, [SamplingParams(**{**params.__dict__, "seed": s}) for s in range(SAMPLES)])
