@@ -14,7 +14,10 @@ CORPUS = ["你好，世界！今天天气很好。", "😀😃😄😁🤖👍�
     ["".join(chr(0x1F300 + 5 * i + j) for j in range(5)) for i in range(150)]
 
 
-def byte_tokenizer(vocab_size: int = 256) -> Tokenizer:
+def byte_tokenizer(vocab_size: int = 256, specials: int = 0) -> Tokenizer:
+    """`specials`: the last ids are special tokens <|special_0|>, ... (the BPE learns vocab_size - specials)."""
+    special = [f"<|special_{i}|>" for i in range(specials)]
+    vocab_size -= specials
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -32,6 +35,7 @@ def byte_tokenizer(vocab_size: int = 256) -> Tokenizer:
                 vocab[a + b] = len(vocab)
                 merges.append((a, b))
     tok.model = models.BPE(vocab=vocab, merges=merges)
+    tok.add_special_tokens(special)
     return tok
 
 
@@ -41,7 +45,7 @@ def _byte(c: str) -> int:
     return _CHAR_BYTES[c]
 
 
-def write_byte_tokenizer(folder: str | Path, vocab_size: int) -> Path:
+def write_byte_tokenizer(folder: str | Path, vocab_size: int, specials: int = 0) -> Path:
     path = Path(folder) / "tokenizer.json"
-    byte_tokenizer(vocab_size).save(str(path))
+    byte_tokenizer(vocab_size, specials).save(str(path))
     return path
