@@ -3,7 +3,7 @@ without adding special tokens (the template wrote them)."""
 
 from __future__ import annotations
 
-from dspark_serve.models.chat_template import ChatTemplate, render_chat
+from dspark_serve.models.chat_template import ChatTemplate, ChatTemplateError, render_chat
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -25,7 +25,10 @@ def render(template: ChatTemplate | None, chat: pb.Chat) -> ChatText:
             raise ValueError(f"chat.messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}")
     messages = [{"role": m.role, "content": m.content} for m in chat.messages]
     add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    text = render_chat(template, messages, add_generation_prompt=add)
+    try:
+        text = render_chat(template, messages, add_generation_prompt=add)
+    except ChatTemplateError as e:  # the template's own words; where it was read from stays here
+        raise ValueError(f"chat: the chat template failed: {e.__cause__ or e}") from None
     if not text:
         raise ValueError("chat: the chat template rendered an empty prompt")
     return ChatText(text)

@@ -53,5 +53,5 @@ class HttpServer:
         self.server.should_exit = True
         try:
             await asyncio.wait_for(self._task, 10)
-        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - stopping: nothing left to report to
+        except Exception:  # noqa: BLE001 - stopping: nothing left to report to
             self._task.cancel()
