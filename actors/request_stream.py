@@ -5,7 +5,8 @@ authenticated calls); the connection is authenticated by the secret before any f
 Frames: a 4-byte big-endian length, then a pickle of plain tuples (the gateway imports no torch):
   in:  ("add", request_id, prompt_ids, params, num_speculative_tokens, confidence_threshold)
        ("abort", [request_id, ...])
-  out: ("step", [(request_id, new_token_ids, finish_reason, stats), ...])
+  out: ("step", [(request_id, new_token_ids, finish_reason, stats[, logprobs]), ...])  logprobs: only for
+       requests that asked, per new token (token_id, logprob, [(token_id, logprob), ...])
        ("rejected", request_id, message)    an add the engine refused (the gateway validates first)
        ("fatal", message)                   the step loop died: every open request has failed
 """
@@ -198,7 +199,7 @@ class SyncStreamClient:
             frame = self.recv()
             if frame[0] != "step":
                 raise RuntimeError(f"the step loop answered {frame}")
-            for rid, new, reason, stats in frame[1]:
+            for rid, new, reason, stats in (rec[:4] for rec in frame[1]):
                 tokens[rid] += new
                 if reason is not None:
                     done[rid] = (tokens[rid], reason, stats)

@@ -56,6 +56,7 @@ class GatewayConfig:
     max_stop_string_chars: int = 1024  # each
     max_stop_token_ids: int = 256  # per request
     max_abort_ids: int = 1024  # per Abort call
+    max_n: int = 16  # sequences per request (sampling.n)
     max_prompt_chars: int | None = None  # a longer text prompt is refused before tokenizing; None: 32 x max_model_len
     stream_messages_per_s: float = 6000.0  # chunk messages the gateway aims to send per second over all streams:
     # with many streams each gets one every live / this seconds at most, carrying every step since its last
@@ -76,6 +77,6 @@ class GatewayConfig:
         if any(not k or k != k.strip() for k in self.api_keys):
             raise ValueError("an API key must be non-empty, without surrounding whitespace")
         for name in ("max_request_bytes", "max_control_request_bytes", "max_stop_strings", "max_stop_string_chars",
-                     "max_stop_token_ids", "max_abort_ids", "max_queue"):
+                     "max_stop_token_ids", "max_abort_ids", "max_queue", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dspark_serve.engine.detokenize import TextStream
-from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.engine.sampling_params import MAX_N, SamplingParams
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from .config import GatewayConfig
 
-_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos")
+_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos", "repetition_penalty",
+           "presence_penalty", "frequency_penalty", "min_tokens", "logprobs", "include_stop_str_in_output",
+           "skip_special_tokens", "n")
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORTED}
 MAX_REQUEST_ID_CHARS = 256
 
@@ -29,15 +31,30 @@ def check_limits(req: pb.GenerateRequest, cfg: GatewayConfig) -> None:
                          f"{cfg.max_stop_token_ids}")
 
 
-def sampling_params(msg: pb.SamplingParams, max_tokens_limit: int) -> dict:
+def sampling_params(msg: pb.SamplingParams, max_tokens_limit: int, max_n: int = MAX_N) -> dict:
     """Only the fields the client set; the rest keep SamplingParams' defaults. Raises ValueError naming a field."""
     kw: dict = {f: getattr(msg, f) for f in _FIELDS if msg.HasField(f)}
     kw["stop"] = tuple(msg.stop)
     kw["stop_token_ids"] = tuple(msg.stop_token_ids)
     if any(s == "" for s in kw["stop"]):
         raise ValueError("stop strings must be non-empty")
-    SamplingParams(**kw).validate(max_tokens_limit=max_tokens_limit)
+    SamplingParams(**kw).validate(max_tokens_limit=max_tokens_limit, max_n=max_n)
     return kw
+
+
+def sequence_params(params: dict, index: int) -> dict:
+    """The engine request of sequence `index` of n: a seeded request's sequence i has seed + i (wrapped to 64
+    bits); an unseeded one gets a fresh seed per sequence from the engine."""
+    if index == 0 or params.get("seed") is None:
+        return params
+    seed = (params["seed"] + index + (1 << 63)) % (1 << 64) - (1 << 63)
+    return {**params, "seed": seed}
+
+
+def token_logprobs(logprobs: list[tuple]) -> list[pb.TokenLogprob]:
+    """The engine's per-token (token_id, logprob, [(token_id, logprob), ...]) as messages."""
+    return [pb.TokenLogprob(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
+            for t, lp, top in logprobs]
 
 
 def prompt(req: pb.GenerateRequest, vocab_size: int, max_model_len: int) -> str | list[int]:
@@ -86,9 +103,12 @@ def spec_stats(stats: dict) -> pb.SpecStats:
         queue_ms=stats.get("queue_ms", 0.0), first_token_ms=stats.get("first_token_ms", 0.0))
 
 
-def chunk(request_id: str, token_ids: list[int], text_delta: str, num_output_tokens: int) -> pb.GenerateResponse:
+def chunk(request_id: str, token_ids: list[int], text_delta: str, num_output_tokens: int,
+          logprobs: list[tuple] | None = None) -> pb.GenerateResponse:
+    """logprobs: one per token id, or None."""
     return pb.GenerateResponse(request_id=request_id, chunk=pb.GenerateChunk(
-        token_ids=token_ids, text=text_delta, num_output_tokens=num_output_tokens))
+        token_ids=token_ids, text=text_delta, num_output_tokens=num_output_tokens,
+        logprobs=token_logprobs(logprobs) if logprobs else None))
 
 
 def complete(request_id: str, text: TextStream, finish_reason: str, num_prompt_tokens: int,

@@ -54,7 +54,7 @@ class GatewayCore:
     def __init__(self, verifier: Any, model_info: dict, cfg: GatewayConfig) -> None:
         self.verifier, self.info, self.cfg = verifier, model_info, cfg
         self.live: dict[str, _Live] = {}
-        self.keys: dict[tuple[str, str], str] = {}  # (caller, request_id) -> the running request's key in live
+        self.keys: dict[tuple[str, str], list[str]] = {}  # (caller, request_id) -> its sequences' keys in live
         self.draining = False
         self.token_text: TokenText | None = None
         self.conn: StreamClient | None = None
@@ -141,7 +141,7 @@ class GatewayCore:
             limit = self.cfg.max_prompt_chars or 32 * info["max_model_len"]
             if len(prompt) > limit:
                 raise ValueError(f"text is {len(prompt)} characters; the limit is {limit}")
-        params = convert.sampling_params(req.sampling, info["max_model_len"])
+        params = convert.sampling_params(req.sampling, info["max_model_len"], self.cfg.max_n)
         if params["stop"] and self.token_text is None:
             raise ValueError("sampling.stop needs a tokenizer next to the target; use stop_token_ids")
         n, threshold = convert.speculative(req, info["num_speculative_tokens"])
@@ -183,7 +183,8 @@ class GatewayCore:
             prompt, params, n, threshold = self._validate(req)
         except ValueError as e:
             raise GatewayError("INVALID_ARGUMENT", str(e)) from None
-        if len(self.live) >= self.cfg.max_queue:
+        num_seqs = params.pop("n", 1)
+        if len(self.live) + num_seqs > self.cfg.max_queue:
             raise GatewayError("RESOURCE_EXHAUSTED", f"queue full ({self.cfg.max_queue} requests); retry later")
         rid = req.request_id or secrets.token_hex(16)
         if (caller, rid) in self.keys:
@@ -192,9 +193,10 @@ class GatewayCore:
             raise GatewayError("UNAVAILABLE", UNAVAILABLE)
         loop = asyncio.get_running_loop()
         end = None if deadline_s is None else loop.time() + deadline_s
-        key = self.keys[caller, rid] = secrets.token_hex(16)
-        live = self.live[key] = _Live(text_stream(self.token_text, params.pop("stop")), 0)
-        finished = False
+        keys = self.keys[caller, rid] = [secrets.token_hex(16) for _ in range(num_seqs)]
+        stop, wake = params.pop("stop"), asyncio.Event()  # one wake for the request's n sequences
+        lives = [self._open(key, stop, params, wake) for key in keys]
+        done = [False] * num_seqs
         try:
             try:
                 ids = await asyncio.wait_for(self._tokenize(prompt), None if end is None else end - loop.time())
@@ -202,60 +204,76 @@ class GatewayCore:
                 raise GatewayError("INVALID_ARGUMENT", str(e)) from None
             except asyncio.TimeoutError:
                 raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded while tokenizing the prompt") from None
-            live.num_prompt_tokens = len(ids)
+            for live in lives:
+                live.num_prompt_tokens = len(ids)
             self._fill_context(req, params, len(ids))
             if self.conn is None:
                 raise GatewayError("UNAVAILABLE", UNAVAILABLE)
-            self.conn.send(("add", key, ids, params, n, threshold))
+            for i, key in enumerate(keys):
+                self.conn.send(("add", key, ids, convert.sequence_params(params, i), n, threshold))
             sent = None  # when the last chunk went out
-            while not finished:
+            while not all(done):
                 try:
-                    await asyncio.wait_for(live.wake.wait(), None if end is None else max(0.0, end - loop.time()))
+                    await asyncio.wait_for(wake.wait(), None if end is None else max(0.0, end - loop.time()))
                     if sent is not None:
-                        await self._pace(live, sent)
+                        await self._pace(lives, sent)
                 except asyncio.TimeoutError:
                     raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded; the request was aborted") from None
-                items, live.pending = live.pending, []
-                live.wake.clear()
-                try:
-                    response, final = self._take(key, live, items)
-                except GatewayError as e:  # the step loop names the request by its key; the client knows its id
-                    raise GatewayError(e.code, e.message.replace(key, rid)) from None
-                if response is not None:
-                    sent = loop.time()
-                    response.request_id = rid
-                    yield response
-                if final is not None:
-                    finished = True
-                    final.request_id = rid
-                    yield final
+                wake.clear()
+                for i, (key, live) in enumerate(zip(keys, lives)):
+                    items, live.pending = live.pending, []
+                    if done[i] or not items:
+                        continue
+                    try:
+                        response, final = self._take(key, live, items)
+                    except GatewayError as e:  # the step loop names the request by its key; the client knows its id
+                        raise GatewayError(e.code, e.message.replace(key, rid)) from None
+                    if final is not None:
+                        done[i] = True
+                        self.live.pop(key, None)
+                    for msg in (response, final):
+                        if msg is not None:
+                            msg.request_id, msg.index = rid, i
+                            sent = loop.time()
+                            yield msg
         finally:
-            self.live.pop(key, None)
+            for key in keys:
+                self.live.pop(key, None)
             self.keys.pop((caller, rid), None)
-            if not finished and self.conn is not None:  # client gone, deadline, or error: free its blocks
-                self.conn.send(("abort", [key]))
+            left = [key for key, d in zip(keys, done) if not d]
+            if left and self.conn is not None:  # client gone, deadline, or error: free their blocks
+                self.conn.send(("abort", left))
 
-    async def _pace(self, live: _Live, sent: float) -> None:
+    def _open(self, key: str, stop: tuple[str, ...], params: dict, wake: asyncio.Event) -> _Live:
+        """One sequence's entry in live, with its text options."""
+        text = text_stream(self.token_text, stop, params.get("include_stop_str_in_output", False),
+                           params.get("min_tokens", 0), params.get("skip_special_tokens", True))
+        live = self.live[key] = _Live(text, 0, wake=wake)
+        return live
+
+    async def _pace(self, lives: list[_Live], sent: float) -> None:
         """Hold a stream's next chunk until its share of the message rate allows it (a final is never held): with
         many streams, each message carries several steps, and the gateway's time per step stays bounded."""
         gap = len(self.live) / self.cfg.stream_messages_per_s
         wait = sent + gap - asyncio.get_running_loop().time()
-        if wait > 1e-4 and not any(isinstance(x, tuple) and x[2] is not None for x in live.pending):
+        if wait > 1e-4 and not any(isinstance(x, tuple) and x[2] is not None for live in lives for x in live.pending):
             await asyncio.sleep(wait)
 
     def _take(self, rid: str, live: _Live, items: list) -> tuple[pb.GenerateResponse | None,
                                                                    pb.GenerateResponse | None]:
         """Every record that arrived since the stream last looked, as one chunk (a slow client gets fewer,
         larger chunks), and the final message if the request ended."""
-        ids, text, final = [], [], None
+        ids, text, logprobs, final = [], [], [], None
         for item in items:
             if isinstance(item, GatewayError):
                 raise item
-            _, new, reason, stats = item
+            new, reason, stats = item[1:4]
             if not live.text.stopped:
                 kept, delta = live.text.push(new)
                 ids += kept
                 text.append(delta)
+                if len(item) > 4 and item[4]:  # the request asked for logprobs: one per token
+                    logprobs += item[4][:len(kept)]
                 if live.text.stopped and reason is None and not live.stop_sent:
                     live.stop_sent = True  # a stop string: the step loop ends it; its stats come with the end
                     if self.conn is not None:
@@ -267,7 +285,7 @@ class GatewayCore:
                                          live.num_prompt_tokens, stats)
                 break
         delta = "".join(text)
-        chunk = convert.chunk(rid, ids, delta, len(live.text.token_ids)) if ids or delta else None
+        chunk = convert.chunk(rid, ids, delta, len(live.text.token_ids), logprobs) if ids or delta else None
         return chunk, final
 
     async def abort(self, ids: list[str], caller: str) -> list[str]:
@@ -278,7 +296,7 @@ class GatewayCore:
         self._check_pair()
         known = [rid for rid in dict.fromkeys(ids) if (caller, rid) in self.keys]
         if known:
-            self.conn.send(("abort", [self.keys[caller, rid] for rid in known]))
+            self.conn.send(("abort", [key for rid in known for key in self.keys[caller, rid]]))
         return known
 
     def _check_pair(self) -> None:
