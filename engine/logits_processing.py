@@ -50,7 +50,7 @@ def _prompt_mask(r: Request, vocab_size: int, device: torch.device) -> Tensor:
 def process_logits(reqs: list[Request], logits: Tensor, drafts: Tensor | None,
                    pending: list[list[int]] | None = None) -> Tensor:
     """Penalties and min_tokens on the rows whose requests set them, in place. logits [R, W, V]: position j of row
-    b is the token after its anchor and drafts[b, :j] (drafts [R, W - 1] on the device, or None when W = 1);
+    b is the token after its anchor and drafts[b, :j] (drafts [R, >= W - 1] on the device, or None when W = 1);
     pending[b]: tokens committed after r.output_ids that it does not hold yet (a step launched ahead)."""
     rows = [i for i, r in enumerate(reqs) if r.params.processes_logits]
     if not rows:

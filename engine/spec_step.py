@@ -123,15 +123,15 @@ def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], sp
     with _region("dspark.verify"):
         logits, feats, accept = target.verify(reqs, drafts, n, anchors)
     hints = verify_hints(reqs)
-    if drafts is None:
-        drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
-    width = logits.shape[1] - 1
     processed = any(r.params.processes_logits for r in reqs)
     if processed:
-        logits = process_logits(reqs, logits, drafts[:, :width], pending)
+        logits = process_logits(reqs, logits, drafts, pending)
     if not hints["any_sampled"] and accept is not None and not processed:  # all greedy, verified in the graph
         lp = step_logprobs(reqs, logits, accept[:, 1:])
         return Launched(reqs, proposal, n, feats, accept, (t1 - t0) * 1e3, t1, logprobs=lp, **_host_copy(accept, lp))
+    if drafts is None:
+        drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
+    width = logits.shape[1] - 1
     with _region("dspark.accept"):
         if hints["any_sampled"]:
             params = sampling_tensors(reqs, dev, anchor_pos)
