@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"device": torch.cuda.get_device_name() if not cpu else "cpu", "gpus": gpus,
                     "tokens": args.tokens, "prompts": args.prompts, "speculative_config": GPU_SPEC_CONFIG,
                     "target": args.target or "random Qwen2.5-0.5B shape"}
-    result["split"] = run_pair(cfg, prompts, params)  # one GPU per actor when there are two (NCCL)
+    result["split"] = run_pair(replace(cfg, colocate=False), prompts, params)  # a GPU per actor when there are two
     result["colocated_actor"] = run_pair(replace(cfg, colocate=True), prompts, params)
     ray.shutdown()
     result["colocated"] = run_colocated(target, args.device, prompts, params)
