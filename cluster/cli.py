@@ -90,7 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
                             http_port=args.http_port, served_model_name=args.served_model_name)
     try:
         pair.validate()
-        _check_context_limit(target, args.max_model_len)
+        _check_context_limit(target, args.max_model_len, args.num_kv_blocks * args.block_size)
         gateway.validate()
         for path in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.chat_template):
             if path is not None and not os.path.isfile(path):
@@ -123,8 +123,9 @@ def _serve_models(args: argparse.Namespace) -> tuple[str, str | None]:
     return target, draft
 
 
-def _check_context_limit(target: str, max_model_len: int | None) -> None:
-    """Refuse a --max-model-len past the target's max_position_embeddings before anything starts."""
+def _check_context_limit(target: str, max_model_len: int | None, kv_tokens: int) -> None:
+    """Refuse a --max-model-len past the target's max_position_embeddings or the KV cache before anything starts
+    (the engine also keeps room for one step's drafts)."""
     import json
     from pathlib import Path
 
@@ -132,9 +133,10 @@ def _check_context_limit(target: str, max_model_len: int | None) -> None:
     if max_model_len is None or not config.is_file():
         return
     limit = int(json.loads(config.read_text()).get("max_position_embeddings", 32768))
-    if not 1 < max_model_len <= limit:
-        raise ValueError(f"--max-model-len must be in [2, {limit}] (the target's max_position_embeddings), "
-                         f"got {max_model_len}")
+    if not 1 < max_model_len <= min(limit, kv_tokens):
+        raise ValueError(f"--max-model-len must be in [2, {min(limit, kv_tokens)}] (the target's "
+                         f"max_position_embeddings is {limit}; the KV cache holds {kv_tokens} tokens: "
+                         f"--num-kv-blocks x --block-size), got {max_model_len}")
 
 
 def _generate(args: argparse.Namespace) -> int:

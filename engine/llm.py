@@ -32,13 +32,16 @@ from .target_side import TargetSide
 log = logging.getLogger(__name__)
 
 
-def context_limit(max_model_len: int | None, max_position: int) -> int:
-    """The model's context limit, or a smaller one asked for; a larger one is refused."""
+def context_limit(max_model_len: int | None, max_position: int, kv_tokens: int | None = None) -> int:
+    """The model's context limit (or what one sequence can have of the KV cache, when less), or a smaller one asked
+    for; a larger one is refused, naming both limits."""
+    limit = max_position if kv_tokens is None else min(max_position, kv_tokens)
     if max_model_len is None:
-        return max_position
-    if not isinstance(max_model_len, int) or not 1 < max_model_len <= max_position:
-        raise ValueError(f"max_model_len must be in [2, {max_position}] (the target's max_position_embeddings), "
-                         f"got {max_model_len!r}")
+        return limit
+    if not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
+        cache = f", and one sequence's share of the KV cache is {kv_tokens} tokens" if kv_tokens is not None else ""
+        raise ValueError(f"max_model_len must be in [2, {limit}] (the target's max_position_embeddings is "
+                         f"{max_position}{cache}), got {max_model_len!r}")
     return max_model_len
 
 
@@ -79,7 +82,10 @@ class LLM:
         self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture)
         draft_side = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size) \
             if draft_model is not None else draft_side
-        self.spec, self.max_model_len = spec, context_limit(max_model_len, target_model.config.max_position)
+        lookahead = 1 + (max(draft_side.num_speculative_tokens, draft_side.query_len - 1) if draft_side else 0)
+        self.spec = spec
+        self.max_model_len = context_limit(max_model_len, target_model.config.max_position,
+                                           num_kv_blocks * block_size - lookahead)
         if not (self.target.device.type != "cuda" if enforce_eager is None else enforce_eager):
             drafts = draft_side.num_speculative_tokens if draft_side is not None else 0
             self.target.use_static_shapes((1, 1 + drafts) if drafts else (1,), self.max_model_len)

@@ -175,12 +175,16 @@ def test_unseeded_requests_draw_fresh_randomness(pair):
 
 
 def test_the_context_limit_is_the_models(pair):
-    """max_model_len defaults to the target's max_position_embeddings; more is refused, naming the limit."""
-    limit = pair[0].config.max_position
-    assert _llm(pair).max_model_len == limit
+    """max_model_len defaults to the target's max_position_embeddings, or to one sequence's share of the KV cache
+    when that is less; more is refused, naming the limits."""
+    big = LLM(pair[0], pair[1], device="cpu", block_size=8, num_kv_blocks=1024)
+    assert big.max_model_len == pair[0].config.max_position == 4096
+    llm = _llm(pair)
+    share = 256 * 8 - 1 - max(llm.draft.num_speculative_tokens, llm.draft.query_len - 1)
+    assert llm.max_model_len == share < 4096
     assert _llm(pair, max_model_len=100).max_model_len == 100
-    with pytest.raises(ValueError, match=f"max_model_len must be in \\[2, {limit}\\]"):
-        _llm(pair, max_model_len=limit + 1)
+    with pytest.raises(ValueError, match=f"max_model_len must be in \\[2, {share}\\].*4096.*{share} tokens"):
+        _llm(pair, max_model_len=share + 1)
     with pytest.raises(ValueError, match=r"exceeds max_model_len \(100\)"):
         _llm(pair, max_model_len=100).add_request([1] * 90, SamplingParams(max_tokens=11))
 
