@@ -118,7 +118,7 @@ def _serve_models(args: argparse.Namespace) -> tuple[str, str | None]:
         try:
             spec = json.loads(args.speculative_config)
         except ValueError as e:
-            raise SystemExit(f"dspark-serve serve: error: --speculative-config is not valid JSON: {e}") from None
+            raise SystemExit(f"dspark-serve serve: error: speculative_config is not valid JSON: {e}") from None
         draft = spec.get("model") if isinstance(spec, dict) else None
     return target, draft
 

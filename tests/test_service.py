@@ -342,8 +342,8 @@ def test_cancelled_and_expired_requests_never_run_on(client):
         try:
             client.generate(_prompts(1)[0], temperature=0.0, max_tokens=3000, ignore_eos=True,
                             timeout=0.005 * (i % 20 + 1))
-        except grpc.RpcError as e:
-            assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        except grpc.RpcError as e:  # 40 clients against a queue of MAX_QUEUE: some are turned away
+            assert e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(40)]
     for t in threads:
