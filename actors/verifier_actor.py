@@ -100,7 +100,8 @@ class VerifierActor:
             remote = RemoteDraft(end, n, self.draft_cfg.query_len, c.num_kv_blocks, c.block_size)
         local = c.draft if c.colocate else None  # co-located: the draft runs in this actor, on its device
         self.llm = LLM(c.target, local, self.spec, dtype=self.dtype, device=str(self.device),
-                       block_size=c.block_size, num_kv_blocks=c.num_kv_blocks, max_num_seqs=c.max_num_seqs,
+                       block_size=c.block_size, num_kv_blocks=None if c.gpu_memory_utilization else c.num_kv_blocks,
+                       gpu_memory_utilization=c.gpu_memory_utilization, max_num_seqs=c.max_num_seqs,
                        max_model_len=c.max_model_len, draft_side=remote, enforce_eager=c.enforce_eager or None,
                        capture_layers=self.draft_cfg.target_layer_ids if remote is not None else ())
 

@@ -73,6 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
                       device=args.device or "auto", dtype=None if args.dtype == "auto" else args.dtype,
                       block_size=args.block_size,
                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
                       max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, placement=args.placement,
                       channel_host=args.channel_host, colocate=args.colocate, cpu_threads=args.cpu_threads,
                       channel_timeout_s=args.channel_timeout, keepalive_s=args.keepalive,
@@ -90,7 +91,8 @@ def _serve(args: argparse.Namespace) -> int:
                             http_port=args.http_port, served_model_name=args.served_model_name)
     try:
         pair.validate()
-        _check_context_limit(target, args.max_model_len, args.num_kv_blocks * args.block_size)
+        _check_context_limit(target, args.max_model_len, 1 << 62 if args.gpu_memory_utilization else
+                             args.num_kv_blocks * args.block_size)
         gateway.validate()
         for path in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.chat_template):
             if path is not None and not os.path.isfile(path):
@@ -380,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft-resources", help='custom Ray resources for the draft, JSON, e.g. {"draft_gpu": 1}')
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     s.add_argument("--num-kv-blocks", type=int, default=2048, help="KV-cache blocks of each model")
+    s.add_argument("--gpu-memory-utilization", type=float,
+                   help="on a GPU: as many KV blocks as fit in this share of its memory beside the weights and the "
+                        "CUDA graphs (vLLM's flag; co-located pairs); default: --num-kv-blocks")
     s.add_argument("--max-num-seqs", type=int, default=64,
                    help="requests decoded together at most (CUDA graphs are recorded up to this batch)")
     s.add_argument("--max-model-len", type=int,

@@ -16,6 +16,7 @@ class PairConfig:
     dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None: the checkpoint's
     block_size: int = 16
     num_kv_blocks: int = 2048
+    gpu_memory_utilization: float | None = None  # on a GPU: size the KV cache from this share of its memory
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the target's max_position_embeddings
     enforce_eager: bool = False  # vLLM's name: True turns off the CUDA graphs (static-shape steps) on GPUs
@@ -38,6 +39,9 @@ class PairConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0 (0: all of the node's CPUs), got {self.cpu_threads}")
+        u = self.gpu_memory_utilization
+        if u is not None and not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u}")
         if not 0 < self.keepalive_s < self.channel_timeout_s:
             raise ValueError(f"keepalive_s must be in (0, channel_timeout_s = {self.channel_timeout_s}), "
                              f"got {self.keepalive_s}")

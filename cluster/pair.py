@@ -122,6 +122,9 @@ def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
     split = cfg.draft is not None and not colocate  # a draft actor of its own
     plan = plan_devices(cfg.device, gpus, split)
     cfg = replace(cfg, device=plan.device, colocate=colocate)
+    if split and cfg.gpu_memory_utilization is not None:
+        raise ValueError("gpu_memory_utilization sizes one process's caches: with separate draft and verifier "
+                         "actors give --num-kv-blocks (or co-locate them)")
     gpu = {"GPU": plan.gpus_per_actor} if plan.gpus_per_actor else {}
     bundle = lambda extra: {"CPU": cfg.num_cpus, **gpu, **dict(extra)}  # noqa: E731
     bundles = [bundle(cfg.target_resources)] + ([bundle(cfg.draft_resources)] if split else [])

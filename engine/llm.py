@@ -23,6 +23,7 @@ from dspark_serve.models.tokenizer import load_tokenizer
 
 from .detokenize import TextStream, TokenText, text_stream
 from .draft_side import DraftSide
+from .kv_sizing import block_bytes, graph_reserve_bytes, kv_blocks_for_memory
 from .request import Request, RequestOutput, StepOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -49,13 +50,16 @@ class LLM:
     def __init__(self, target: str | Path | QwenForCausalLM, draft: str | Path | DSparkDraft | None = None,
                  speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None, *,
                  dtype: torch.dtype | None = None, device: str | None = None, block_size: int = 16,
-                 num_kv_blocks: int = 2048, max_num_seqs: int = 64, max_model_len: int | None = None,
+                 num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_model_len: int | None = None,
                  eos_token_ids: Sequence[int] | None = None, draft_side: Any = None,
                  capture_layers: tuple[int, ...] = (), enforce_eager: bool | None = None,
-                 warmup: bool = True, tokenizer: str | Path | Any = None) -> None:
+                 warmup: bool = True, tokenizer: str | Path | Any = None,
+                 gpu_memory_utilization: float | None = None) -> None:
         """`draft_side` (with `capture_layers`) plugs in a draft living elsewhere, e.g. behind the step channel.
         `max_model_len` (vLLM's name): the longest prompt + output, by default the target's
-        max_position_embeddings. `enforce_eager` (vLLM's name; default: True on CPU, False on CUDA): False runs decode/verify steps with
+        max_position_embeddings. `num_kv_blocks` per model (default 2048), or on a GPU `gpu_memory_utilization`
+        (vLLM's name): as many blocks as fit in that share of the GPU's memory beside the loaded weights and a
+        reserve for the CUDA graphs. `enforce_eager` (vLLM's name; default: True on CPU, False on CUDA): False runs decode/verify steps with
         static shapes, captured as CUDA graphs on CUDA. `warmup`: record the graphs here (warm_up()) instead of
         on the first requests that meet them. `tokenizer`: a directory, or a `tokenizers.Tokenizer`
         (default: the target directory's)."""
@@ -79,6 +83,10 @@ class LLM:
                                                                                   dtype=dtype)
             draft_model = draft_model.to(device)
         capture = draft_model.config.target_layer_ids if draft_model is not None else capture_layers
+        drafts = draft_model.config.num_speculative_tokens if draft_model is not None else \
+            (draft_side.num_speculative_tokens if draft_side is not None else 0)
+        num_kv_blocks = self._kv_blocks(num_kv_blocks, gpu_memory_utilization, target_model, draft_model, block_size,
+                                        max_num_seqs, drafts)
         self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture)
         draft_side = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size) \
             if draft_model is not None else draft_side
@@ -105,6 +113,22 @@ class LLM:
         # full collection during decoding does not walk it and stall a step.
         gc.collect()
         gc.freeze()
+
+    @staticmethod
+    def _kv_blocks(num_kv_blocks: int | None, utilization: float | None, target: QwenForCausalLM,
+                   draft: DSparkDraft | None, block_size: int, max_num_seqs: int, drafts: int) -> int:
+        if utilization is None or target.lm_head.weight.device.type != "cuda":
+            return 2048 if num_kv_blocks is None else num_kv_blocks
+        if num_kv_blocks is not None:
+            raise ValueError("give num_kv_blocks or gpu_memory_utilization, not both")
+        c, size = target.config, target.lm_head.weight.element_size()
+        per_block = block_bytes(c.num_layers, c.num_kv_heads, c.head_dim, block_size, size)
+        if draft is not None:  # in this process: its cache is on this GPU too
+            d = draft.config.layers
+            per_block += block_bytes(d.num_layers, d.num_kv_heads, d.head_dim, block_size, size)
+        free, total = torch.cuda.mem_get_info(target.lm_head.weight.device)
+        reserve = graph_reserve_bytes(c.vocab_size, (1, 1 + drafts) if drafts else (1,), max_num_seqs)
+        return kv_blocks_for_memory(total, total - free, utilization, per_block, reserve)
 
     def warm_up(self, max_batch: int | None = None) -> int:
         """Record the CUDA graphs now rather than during the requests that first meet them (every prefill bucket

@@ -1,0 +1,43 @@
+"""How many KV blocks fit in a share of a GPU's memory, beside the weights already loaded and a reserve for the
+CUDA graphs' outputs and the step's working memory. Pure arithmetic; the engine reads the device."""
+
+from __future__ import annotations
+
+from .cuda_graphs import MAX_GRAPH_TOKENS, WARM_CONTEXT, GraphBuckets
+
+WORKSPACE_BYTES = 1 << 30  # activations, prefill temporaries, the allocator's slack
+TILED_SHARE = 0.02  # tile-major copies the runner may add (they are kept when within 2 % of the GPU)
+
+
+def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int) -> int:
+    """One block of one model's paged cache: K and V of every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
+
+
+def graph_reserve_bytes(vocab_size: int, query_lens: tuple[int, ...], max_batch: int,
+                        buckets: GraphBuckets = GraphBuckets()) -> int:
+    """The fp32 logits each recorded target graph keeps: every batch bucket up to max_batch's at contexts up to
+    WARM_CONTEXT, batch 1 beyond (the warm-up's set)."""
+    top = next((b for b in buckets.batch if b >= max_batch), buckets.batch[-1])
+    rows = 0
+    for q in query_lens:
+        for c in buckets.context:
+            rows += sum(b * q for b in buckets.batch if b <= top and b * q <= MAX_GRAPH_TOKENS
+                        and (b == 1 or c <= WARM_CONTEXT))
+    return rows * vocab_size * 4
+
+
+def kv_blocks_for_memory(total_bytes: int, used_bytes: int, utilization: float, per_block_bytes: int,
+                         reserve_bytes: int) -> int:
+    """Blocks that fit in `utilization` of the device's memory beside what is in use and the reserve; ValueError
+    when none do."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    budget = utilization * total_bytes - used_bytes - reserve_bytes - TILED_SHARE * total_bytes - WORKSPACE_BYTES
+    blocks = int(budget // per_block_bytes)
+    if blocks < 1:
+        raise ValueError(f"no KV cache fits in {utilization:.2f} of the GPU's {total_bytes / 2**30:.1f} GiB: the "
+                         f"weights take {used_bytes / 2**30:.1f} GiB and the graphs and working memory "
+                         f"{(reserve_bytes + WORKSPACE_BYTES + TILED_SHARE * total_bytes) / 2**30:.1f} GiB; raise "
+                         f"gpu_memory_utilization or lower max_num_seqs")
+    return blocks

@@ -1,0 +1,41 @@
+"""Sizing the KV cache from a share of GPU memory: the arithmetic, and that CPUs keep num_kv_blocks."""
+
+import pytest
+
+from dspark_serve.engine.cuda_graphs import GraphBuckets
+from dspark_serve.engine.kv_sizing import (TILED_SHARE, WORKSPACE_BYTES, block_bytes, graph_reserve_bytes,
+                                           kv_blocks_for_memory)
+
+GiB = 1 << 30
+
+
+def test_block_bytes_is_k_and_v_of_every_layer():
+    assert block_bytes(num_layers=24, num_kv_heads=2, head_dim=64, block_size=16, dtype_bytes=2) == \
+        2 * 24 * 2 * 64 * 16 * 2
+
+
+def test_graph_reserve_counts_the_warm_up_set():
+    buckets = GraphBuckets(batch=(1, 2, 4, 8), context=(256, 8192))  # 8192 is past WARM_CONTEXT: batch 1 only
+    rows = (1 + 2 + 4) * 1 + (1 + 2 + 4) * 8 + 1 * 1 + 1 * 8  # max_batch 3 -> bucket 4
+    assert graph_reserve_bytes(1000, (1, 8), 3, buckets) == rows * 1000 * 4
+
+
+def test_blocks_fill_the_share_left_after_weights_and_reserve():
+    per_block = 3 << 20
+    got = kv_blocks_for_memory(100 * GiB, 20 * GiB, 0.9, per_block, 5 * GiB)
+    assert got == int((90 * GiB - 20 * GiB - 5 * GiB - TILED_SHARE * 100 * GiB - WORKSPACE_BYTES) // per_block)
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        kv_blocks_for_memory(100 * GiB, 0, 1.5, per_block, 0)
+    with pytest.raises(ValueError, match="no KV cache fits"):
+        kv_blocks_for_memory(100 * GiB, 85 * GiB, 0.9, per_block, 5 * GiB)
+
+
+def test_a_cpu_engine_keeps_its_block_count():
+    from engine_pairs import build_pair
+
+    from dspark_serve.engine.llm import LLM
+
+    target, draft = build_pair(seed=1, agree=0.01, block_size=4)
+    llm = LLM(target, draft, device="cpu", block_size=8, gpu_memory_utilization=0.5)
+    assert llm.target.allocator.num_blocks == 2048
+    assert LLM(target, draft, device="cpu", block_size=8, num_kv_blocks=64).target.allocator.num_blocks == 64
