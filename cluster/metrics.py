@@ -96,6 +96,7 @@ class ServingMetrics:
         self.channel_ms = m("gauge", "step_channel_ms_per_step", "Step-channel time per verify step of the sequences "
                             "finished since the last refresh (0 with the draft inside the verifier).")
         self._channel = [0.0, 0]  # transfer ms, steps since the last refresh
+        self._channel_ms = 0.0  # the last reading, kept while no sequence finishes
 
     def finished(self, request_id: str, index: int, final: pb.GenerateComplete, ttft_s: float | None,
                  e2e_s: float) -> None:
@@ -131,8 +132,8 @@ class ServingMetrics:
         self.kv_usage(1.0 - stats.free_target_blocks / total if total else 0.0, **tags)
         ms, steps = self._channel
         if steps:
-            self.channel_ms(ms / steps, **tags)
-            self._channel = [0.0, 0]
+            self._channel_ms, self._channel = ms / steps, [0.0, 0]
+        self.channel_ms(self._channel_ms, **tags)
 
 
 class GaugeRefresher:
