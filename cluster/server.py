@@ -29,14 +29,15 @@ class GatewayServer:
         self.port = 0
         self.http = None  # http_server.HttpServer, with cfg.http_port
         self.http_port: int | None = None
-        self.metrics_sink = PrometheusSink()
+        self.metrics_sink = PrometheusSink() if cfg.http_port is not None else None  # /metrics lives on HTTP
         self._tasks: list[asyncio.Task] = []
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
         info = await self.verifier.model_info.remote()
         self.core = GatewayCore(self.verifier, info, self.cfg)
-        self.core.metrics = ServingMetrics(self.metrics_sink, self.core.served_model_name)
+        if self.metrics_sink is not None:
+            self.core.metrics = ServingMetrics(self.metrics_sink, self.core.served_model_name)
         # Up to twice the largest limit a body reaches our readers, which answer INVALID_ARGUMENT naming the limit;
         # grpc refuses anything larger from its length prefix, before reading it.
         limit = 2 * max(self.cfg.max_request_bytes, self.cfg.max_control_request_bytes)
