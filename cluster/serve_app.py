@@ -2,8 +2,9 @@
 at Serve's HTTP proxy, the OpenAI-compatible API (metrics go through Ray's metrics API).
 
 The pair's actors get their own GPUs and placement group (bundle 0 verifier, bundle 1 draft), steered by custom
-resources onto the target-gpu / draft-gpu worker groups. The step loop runs inside the pair; the replica only
-long-polls outputs, so no per-token hop is added. `import_path: dspark_serve.cluster.serve_app:app`.
+resources onto the target-gpu / draft-gpu worker groups. The step loop runs inside the pair and streams each step's
+tokens to the replica over the request stream; the replica supervises the pair (a lost draft is replaced, a lost
+verifier means a new pair). `import_path: dspark_serve.cluster.serve_app:app`.
 
 With `api_key` (or DSPARK_API_KEY in the replica's environment) every call needs `authorization: Bearer KEY`, checked
 here. Serve's gRPC proxy serves plaintext: TLS is terminated in front of it (an ingress or load balancer).
