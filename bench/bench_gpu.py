@@ -25,7 +25,8 @@ from dspark_serve.engine.request import Request
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.engine.spec_config import SpeculativeConfig
 from dspark_serve.engine.target_side import TargetSide
-from dspark_serve.kernels import dispatch
+from dspark_serve.kernels import config as kernel_config
+from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.models.config import ModelConfig
 from dspark_serve.models.draft_config import DraftConfig
 from dspark_serve.models.dspark import DSparkDraft
@@ -90,30 +91,23 @@ def requests(batch: int, context: int, n_draft: int) -> list[Request]:
     return reqs
 
 
-def parse_dispatch(spec: str) -> dict[str, bool | int | float | str]:
-    """"PDL=1,DENSE_GEMV=0" -> {"PDL": True, "DENSE_GEMV": False}: kernels/dispatch.py switches, each value of
-    its switch's type."""
-    out = {}
+def parse_dispatch(spec: str) -> KernelConfig:
+    """"PDL=1,DENSE_GEMV=0" -> the installed KernelConfig with those fields (names case-insensitive)."""
+    items = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
-        if not hasattr(dispatch, key) or key.startswith("_") or not value:
-            raise SystemExit(f"--dispatch: {item!r} is not NAME=VALUE for a kernels/dispatch.py switch")
-        kind = type(getattr(dispatch, key))
-        try:
-            out[key] = value not in ("0", "false", "False") if kind is bool else kind(value)
-        except ValueError:
-            raise SystemExit(f"--dispatch: {item!r}: {key} takes a {kind.__name__}") from None
-    return out
-
-
-def set_dispatch(settings: dict[str, bool | int | float | str]) -> None:
-    for key, value in settings.items():
-        setattr(dispatch, key, value)
+        if not value:
+            raise SystemExit(f"--dispatch: {item!r} is not NAME=VALUE for a KernelConfig field")
+        items[key] = value
+    try:
+        return kernel_config.active().with_overrides(items)
+    except ValueError as e:
+        raise SystemExit(f"--dispatch: {e}") from None
 
 
 def bench_target(name: str, batches: list[int], context: int, device: str, dtype: torch.dtype, iters: int,
                  gbps: float, variants: list[str] | None = None, repeat: int = 1) -> list[dict]:
-    """Graphs and eager; with variants (dispatch specs), graphs only, each variant in turn, `repeat` rounds."""
+    """Graphs and eager; with variants (KernelConfig field settings), graphs only, each in turn, `repeat` rounds."""
     cfg = target_config(name, dtype)
     model = random_module(lambda: QwenForCausalLM(cfg), device, dtype).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -121,11 +115,11 @@ def bench_target(name: str, batches: list[int], context: int, device: str, dtype
     need = max(batches) * -(-(context + 16) // BLOCK)
     rows = []
     runs = [(True, v) for _ in range(repeat) for v in variants] if variants else [(True, None), (False, None)]
-    saved = {k: getattr(dispatch, k) for v in variants or [] for k in parse_dispatch(v)}
+    saved = kernel_config.active()
     for static, variant in runs:
-        if variant is not None:  # every variant starts from the defaults: the others' switches do not carry over
-            set_dispatch(saved)
-            set_dispatch(parse_dispatch(variant))
+        if variant is not None:  # every variant starts from the defaults: the others' fields do not carry over
+            kernel_config.install(saved)
+            kernel_config.install(parse_dispatch(variant))
         side = TargetSide(model, need, BLOCK)
         if static:
             side.use_static_shapes((1, 8), max_model_len=context + 64)
@@ -145,7 +139,7 @@ def bench_target(name: str, batches: list[int], context: int, device: str, dtype
         if device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-    set_dispatch(saved)
+    kernel_config.install(saved)
     del model
     return rows
 
@@ -257,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, few iterations (smoke test)")
     ap.add_argument("--dispatch", nargs="+", metavar="SPEC",
-                    help="target rows with CUDA graphs only, once per kernels/dispatch.py setting, e.g. "
+                    help="target rows with CUDA graphs only, once per KernelConfig setting, e.g. "
                          "'PDL=0' 'PDL=1' (alternating, --repeat rounds)")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--no-draft", action="store_true", help="skip the draft block rows")
@@ -271,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also time NVFP4 drafts that score only K tokens (speculative_config.dspark_token_map)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    kernel_config.install(KernelConfig.from_env(args.device))  # DSPARK_<FIELD> for A/B runs
     if args.tiny:
         args.models, args.batch, args.context, args.topk, args.iters = ["tiny"], [1, 3], 40, [8], 2
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32

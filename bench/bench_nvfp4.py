@@ -16,7 +16,7 @@ from dspark_serve.kernels import gathered_bias as gb
 from dspark_serve.kernels import nvfp4
 from dspark_serve.kernels.w4a16_gemm import (GemmConfig, default_config, w4a16_dequant_matmul, w4a16_gemm,
                                              w4a16_gemm_ref)
-from dspark_serve.kernels import dispatch
+from dspark_serve.kernels import config as kernel_config
 from dspark_serve.kernels.w4a16_gemv import (GemvConfig, default_gemv_config, mma_config, mma_fits,
                                               tensor_core_config, w4a16_gemv, words_config)
 
@@ -182,7 +182,7 @@ def bench_gemv(name: str, n: int, k: int, copy_gbs: float, sweep: bool, ms=(1, 7
         bf16_us = graph_time_us([lambda w=w: F.linear(x, w) for w in dense])
         dequant_us = graph_time_us([lambda c=c: w4a16_dequant_matmul(x, *c) for c in copies]) if m > 16 else None
         grid = [c for c in gemv_sweep(m, n, k) if c.mma or not mma_only] if sweep else []
-        configs = [default_gemv_config(m, n, k, mma_ok=dispatch.GEMV_MMA)] + grid
+        configs = [default_gemv_config(m, n, k, mma_ok=kernel_config.active().gemv_mma)] + grid
         results, failed = [], []
         for cfg in dict.fromkeys(configs):
             try:

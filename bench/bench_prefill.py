@@ -5,8 +5,8 @@ usage: python bench/bench_prefill.py [--models 8b 0.5b] [--lens 64 256 1024 1100
 A graph pads the prompt to its length bucket (up to 1.5x the tokens): for long prompts on a large target the
 prefill is compute-bound and the padding can cost more than the launches the graph saves; this measures where.
 Each length alternates graphs off / on, after one warm-up of each (the first graph of a bucket is captured then).
-"graph ms" is what the prefill takes with prompt graphs on, so past prompt_graphs.MAX_WORK (column MAX_WORK: the
-path the rule picks) it runs eagerly too; DSPARK_PROMPT_GRAPH_WORK=inf times the graphs everywhere.
+"graph ms" is what the prefill takes with prompt graphs on, so past KernelConfig.prompt_graph_work (column MAX_WORK:
+the path the rule picks) it runs eagerly too; DSPARK_PROMPT_GRAPH_WORK=inf times the graphs everywhere.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
                   num_kv_blocks=-(-top // 16) + 1, max_model_len=top, eos_token_ids=(), enforce_eager=False)
         graphs = llm.target.prompts
         if graphs is None:
-            raise SystemExit("prompt graphs are off (DSPARK_PROMPT_GRAPHS=0): nothing to compare")
+            raise SystemExit("prompt graphs are off (KernelConfig.prompt_graphs is off): nothing to compare")
         for n in args.lens:
             prompt = torch.randint(0, llm.target.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
             times: dict[str, list[float]] = {"eager": [], "graph": []}

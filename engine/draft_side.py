@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark_serve.kernels import dispatch
-from dspark_serve.kernels.dispatch import use_triton
+from dspark_serve.kernels.config import active, use_triton
 from dspark_serve.kernels.markov_walk_ref import markov_walk_ref
 from dspark_serve.models.dspark import DSparkDraft
 from dspark_serve.models.nvfp4_linear import NVFP4Linear, keep_dense_up_to
@@ -116,7 +115,7 @@ class DraftSide:
             budget = max(DENSE_NVFP4_MAX_BYTES,
                          int(DENSE_NVFP4_MAX_FRACTION * torch.cuda.get_device_properties(self.device).total_memory))
             keep_dense_up_to(model.modules(), budget, DENSE_NVFP4_MIN_ROWS)
-            if dispatch.GEMV_PRMT:  # the GEMV's inline-PTX decode reads bf16 block scales
+            if active().gemv_prmt:  # the GEMV's inline-PTX decode reads bf16 block scales
                 for mod in model.modules():
                     if isinstance(mod, NVFP4Linear):
                         mod.keep_bf16_scales()

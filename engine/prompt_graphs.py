@@ -9,19 +9,19 @@ the same static path runs eagerly: that is what the CPU tests compare with the d
 Graphs pay off while the prefill is launch-bound. An eager prefill costs about one host launch time per layer
 whatever its length (Qwen3-8B shapes on an H200: 26-28 ms up to 1000 tokens), a graph the device time of its padded
 tokens, which grows with tokens x weights per layer. So a batch takes graphs only while its padded tokens times one
-layer's weights stay within MAX_WORK: at 8B (193 M weights a layer) up to 768 padded tokens, at the 0.5B demo target
-(15 M) every batch the buckets take (bench/bench_prefill.py, bench/RESULTS.md).
+layer's weights stay within KernelConfig.prompt_graph_work: at 8B (193 M weights a layer) up to 768 padded tokens,
+at the 0.5B demo target (15 M) every batch the buckets take (bench/bench_prefill.py, bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from dspark_serve.kernels.attention import AttentionMetadata
+from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.models.config import ModelConfig
 from dspark_serve.models.qwen import QwenForCausalLM
 
@@ -30,21 +30,6 @@ from .kv_cache import slots_of
 
 PROMPT_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # padding wastes < 1.5x
 MAX_PROMPTS = 4  # fresh prompts prefilled one graph each; a larger batch runs eagerly at once
-ENABLED = os.environ.get("DSPARK_PROMPT_GRAPHS", "1") == "1"  # DSPARK_PROMPT_GRAPHS=0: every prefill runs eagerly
-
-
-def _work_limit(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:  # (also refuses nan)
-        raise ValueError(f"DSPARK_PROMPT_GRAPH_WORK takes a number >= 0 (padded prompt tokens x weights of one "
-                         f"layer; inf: no limit), got {text!r}")
-    return value
-
-
-MAX_WORK = _work_limit(os.environ.get("DSPARK_PROMPT_GRAPH_WORK", "1.6e11"))  # padded tokens x one layer's weights
 
 
 def layer_weights(config: ModelConfig) -> int:
@@ -55,8 +40,10 @@ def layer_weights(config: ModelConfig) -> int:
 
 class PromptGraphs:
     def __init__(self, model: QwenForCausalLM, cache: Tensor, block_size: int, trash_slot: int,
-                 max_model_len: int, capture_layers: tuple[int, ...] = (), capture: bool | None = None) -> None:
+                 max_model_len: int, capture_layers: tuple[int, ...] = (), capture: bool | None = None,
+                 max_work: float = KernelConfig.prompt_graph_work) -> None:
         self.model, self.cache, self.block_size, self.trash = model, cache, block_size, trash_slot
+        self.max_work = max_work  # padded tokens x one layer's weights
         self.capture_layers, self.device = capture_layers, cache.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         top = _bucket(max_model_len, PROMPT_BUCKETS) or PROMPT_BUCKETS[-1]
@@ -68,10 +55,10 @@ class PromptGraphs:
 
     def takes(self, starts: list[int], lens: list[int]) -> bool:
         """Whether run() takes these sequences: fresh prompts, few enough, each within the largest bucket, their
-        padded tokens launch-bound (MAX_WORK)."""
+        padded tokens launch-bound (`max_work`)."""
         if not 0 < len(lens) <= MAX_PROMPTS or any(starts) or max(lens) > self.lengths[-1]:
             return False
-        return sum(_bucket(n, self.lengths) for n in lens) * self.layer_weights <= MAX_WORK
+        return sum(_bucket(n, self.lengths) for n in lens) * self.layer_weights <= self.max_work
 
     @property
     def num_recorded(self) -> int:

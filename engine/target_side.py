@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dspark_serve.kernels.config import active
 from dspark_serve.models.qwen import QwenForCausalLM
 
 from .cuda_graphs import TargetGraphs
@@ -36,9 +37,10 @@ class TargetSide:
         trash = self.allocator.num_blocks * self.block_size
         self.graphs = TargetGraphs(self.model, self.cache, self.block_size, trash, query_lens, max_model_len,
                                    self.capture_layers, capture=capture)
+        kernels = active()
         self.prompts = prompt_graphs.PromptGraphs(self.model, self.cache, self.block_size, trash, max_model_len,
-                                                  self.capture_layers, capture=capture) \
-            if prompt_graphs.ENABLED else None
+                                                  self.capture_layers, capture, kernels.prompt_graph_work) \
+            if kernels.prompt_graphs else None
 
     def warm_up(self, max_batch: int = 1) -> int:
         """Record the decode/verify graphs of every batch bucket up to max_batch, and the prefill graphs, now;

@@ -24,7 +24,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from . import dispatch, pdl
+from . import pdl
+from .config import active
 from .fused_ops import _round, _rsqrt, rms_norm, silu_mul
 from .gemv_bf16_mma import gemv_mma_dense, mma_dense_ok
 from .pdl import pdl_trigger, pdl_wait
@@ -238,15 +239,14 @@ def gemv_ref(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def _mma_rows(x: Tensor, w: Tensor) -> bool:
-    return (dispatch.DENSE_GEMV and dispatch.DENSE_MMA and dispatch.DENSE_MMA_MIN_ROWS <= x.shape[0]
-            and mma_dense_ok(x, w))                                          # (which takes M <= 16)
+    cfg = active()
+    return cfg.dense_gemv and cfg.dense_mma and x.shape[0] >= 2 and mma_dense_ok(x, w)  # (which takes M <= 16)
 
 
 def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, tiled: Tensor | None = None) -> Tensor:
-    """F.linear for the target's fused decoder layers: up to dispatch.DENSE_GEMV_ROWS rows (default 1: plain
-    decode at batch 1) of bf16 CUDA activations take `gemv` when dispatch.DENSE_GEMV is on; from
-    dispatch.DENSE_MMA_MIN_ROWS (default 2) to 16 rows, the register-fed mma GEMV (verify's 1 + 7 rows), on
-    `tiled` (w's tile-major copy, gemv_bf16_mma.tile_major) where the layer keeps one."""
+    """F.linear for the target's fused decoder layers: one row (plain decode at batch 1) of bf16 CUDA activations
+    takes `gemv` (KernelConfig.dense_gemv); 2 to 16 rows the register-fed mma GEMV (verify's 1 + 7 rows;
+    KernelConfig.dense_mma), on `tiled` (w's tile-major copy, gemv_bf16_mma.tile_major) where the layer keeps one."""
     if _mma_rows(x, w):
         return gemv_mma_dense(x, tiled if tiled is not None else w, bias)
     if _one_row_gemv(x, w):
@@ -256,18 +256,19 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, tiled: Tensor | Non
 
 def linear_silu_mul(x: Tensor, w_gate_up: Tensor, tiled: Tensor | None = None) -> Tensor:
     """silu_mul(F.linear(x, w_gate_up)) for the fused MLP: x [T, K], w_gate_up [2I, K] -> [T, I]. One row of bf16
-    CUDA activations takes the GEMV with the SwiGLU epilogue (one launch, same values) when dispatch.DENSE_GEMV
-    and dispatch.GEMV_SWIGLU are on; the rows of the mma GEMV (`linear`) take its SwiGLU epilogue."""
-    if dispatch.GEMV_SWIGLU and _mma_rows(x, w_gate_up):
+    CUDA activations takes the GEMV with the SwiGLU epilogue (one launch, same values) under
+    KernelConfig.gemv_swiglu; the rows of the mma GEMV (`linear`) take its SwiGLU epilogue."""
+    swiglu = active().gemv_swiglu
+    if swiglu and _mma_rows(x, w_gate_up):
         return gemv_mma_dense(x, tiled if tiled is not None else w_gate_up, swiglu=True)
-    if dispatch.GEMV_SWIGLU and x.shape[0] == 1 and _one_row_gemv(x, w_gate_up):
+    if swiglu and x.shape[0] == 1 and _one_row_gemv(x, w_gate_up):
         return gemv(x, w_gate_up, swiglu=True)
     return silu_mul(linear(x, w_gate_up))
 
 
 def _one_row_gemv(x: Tensor, w: Tensor) -> bool:
-    """Whether `linear` takes `gemv` for these operands (one row of bf16 CUDA activations, under dispatch)."""
-    return (dispatch.DENSE_GEMV and x.is_cuda and x.shape[0] <= min(dispatch.DENSE_GEMV_ROWS, 16)
+    """Whether `linear` takes `gemv` for these operands (one row of bf16 CUDA activations, KernelConfig.dense_gemv)."""
+    return (active().dense_gemv and x.is_cuda and x.shape[0] == 1
             and x.dtype == w.dtype == torch.bfloat16 and w.stride(1) == 1)
 
 
@@ -279,14 +280,14 @@ def apply_norm(x: Tensor, norm: Norm) -> tuple[Tensor, Tensor]:
 
 def _fuse_norm(x: Tensor, w: Tensor, norm: Norm) -> bool:
     """Whether `gemv` applies the norm: one row that `linear` gives it, a norm weight of x's dtype."""
-    return dispatch.NORM_GEMV and x.shape[0] == 1 and x.shape[1] <= MAX_NORM_K and norm[0].dtype == x.dtype \
+    return active().norm_gemv and x.shape[0] == 1 and x.shape[1] <= MAX_NORM_K and norm[0].dtype == x.dtype \
         and not _mma_rows(x, w) and _one_row_gemv(x, w)
 
 
 def norm_linear(x: Tensor, norm: Norm, w: Tensor, bias: Tensor | None = None,
                 tiled: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """linear(RMSNorm(x [+ residual]), w, bias, tiled) and the new residual; the one-row GEMV applies the norm
-    itself (dispatch.NORM_GEMV), other rows run fused_ops.rms_norm first."""
+    itself (KernelConfig.norm_gemv), other rows run fused_ops.rms_norm first."""
     if _fuse_norm(x, w, norm):
         return gemv(x, w, bias, norm=norm)
     h, residual = apply_norm(x, norm)
@@ -296,7 +297,7 @@ def norm_linear(x: Tensor, norm: Norm, w: Tensor, bias: Tensor | None = None,
 def norm_linear_silu_mul(x: Tensor, norm: Norm, w_gate_up: Tensor,
                          tiled: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """linear_silu_mul(RMSNorm(x [+ residual]), ...) and the new residual, as norm_linear."""
-    if dispatch.GEMV_SWIGLU and _fuse_norm(x, w_gate_up, norm):
+    if active().gemv_swiglu and _fuse_norm(x, w_gate_up, norm):
         return gemv(x, w_gate_up, swiglu=True, norm=norm)
     h, residual = apply_norm(x, norm)
     return linear_silu_mul(h, w_gate_up, tiled), residual

@@ -10,7 +10,7 @@ waits (`pdl_trigger`, then the weight loads, then `pdl_wait`): weights are const
 streaming them while the predecessor drains.
 
 `launch(t)` -> (the PDL constexpr, the launch options) for a kernel whose inputs live on t's device: on for CUDA
-tensors of compute capability >= 9.0 when Triton has the griddepcontrol builtins and dispatch.PDL is set; off on
+tensors of compute capability >= 9.0 when Triton has the griddepcontrol builtins and KernelConfig.pdl is set; off on
 CPU (the interpreter cannot run inline PTX) and older GPUs, where the kernel compiles without the prologue.
 """
 
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import dispatch
+from .config import active
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -66,7 +66,7 @@ def _sm90(index: int) -> bool:
 
 
 def enabled(t: Tensor) -> bool:
-    return dispatch.PDL and HAVE_GDC and t.is_cuda and _sm90(t.device.index if t.device.index is not None
+    return active().pdl and HAVE_GDC and t.is_cuda and _sm90(t.device.index if t.device.index is not None
                                                              else torch.cuda.current_device())
 
 

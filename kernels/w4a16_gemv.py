@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import dispatch
+from .config import active
 from .e2m1_prmt import e2m1_scaled_bf16
 from .nvfp4_triton import fp8e4m3_to_f32
 from .nvfp4_ref import check_packed
@@ -60,10 +60,10 @@ class GemvConfig:
 def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool = False) -> GemvConfig:
     """From H200 sweeps (bench/bench_nvfp4.py --gemv --sweep, bench/RESULTS.md): M == 1 takes the int32-word
     kernel with [8, 512] tiles and 2 warps (1.37-1.69x bf16 on five of the six 8B draft shapes); M > 1 the
-    tensor-core path with the inline-PTX decode (dispatch.GEMV_PRMT): [64, 256] tiles up to M = 16 (within 5 % of
+    tensor-core path with the inline-PTX decode (KernelConfig.gemv_prmt): [64, 256] tiles up to M = 16 (within 5 % of
     the best config of the 2026-12-01 sweep at every shape, 0.88-1.48x bf16, where the integer decode measured
     0.51-0.75x); above 16 rows the sweep's best, one for long K or a vocab-sized N (fc, down, lm_head), one for
-    the rest. With mma_ok (an sm_90 device and dispatch.GEMV_MMA), M <= 16 takes the register-fed mma kernel where
+    the rest. With mma_ok (an sm_90 device and KernelConfig.gemv_mma), M <= 16 takes the register-fed mma kernel where
     its shapes allow (K % 128 == 0, N % 16 == 0): 1.0-1.5x the kernels above at the 8B draft shapes (one sweep);
     two chunks per loop step (unroll) for lm_head at one row and fc, gate/up, down at 2-8 rows (3.6-7.5 % faster
     in the unroll sweep)."""
@@ -81,11 +81,11 @@ def default_gemv_config(m: int, n: int, k: int, num_sms: int = 132, mma_ok: bool
     if m > 16:   # [64, 256] weight tiles spill with 32-64 rows of x; long K or a vocab-sized N take wider tiles
         big = k >= 8192 or n >= 65536
         if m > 32 and big:
-            return tensor_core_config(n, k, 128, 64, prmt=dispatch.GEMV_PRMT, num_stages=4)
+            return tensor_core_config(n, k, 128, 64, prmt=active().gemv_prmt, num_stages=4)
         if big:
-            return tensor_core_config(n, k, 128, 128, 8, prmt=dispatch.GEMV_PRMT)
-        return tensor_core_config(n, k, 64, 128, prmt=dispatch.GEMV_PRMT)
-    return tensor_core_config(n, k, prmt=dispatch.GEMV_PRMT)
+            return tensor_core_config(n, k, 128, 128, 8, prmt=active().gemv_prmt)
+        return tensor_core_config(n, k, 64, 128, prmt=active().gemv_prmt)
+    return tensor_core_config(n, k, prmt=active().gemv_prmt)
 
 
 def tensor_core_config(n: int, k: int, block_n: int = 64, block_k: int = 256, num_warps: int = 4,
@@ -115,9 +115,9 @@ def mma_config(n: int, k: int, tiles: int = 2, num_warps: int = 4, warps_per_sm:
 def stacked_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, row_scale: Tensor) -> Tensor | None:
     """x [M, K] @ layers stacked along N (packed [N, K/2], weight_scale [N, K/16], row_scale [N] fp32: each row's
     layer's weight_scale_2) -> bf16 [M, N] on the mma kernel, or None where it does not take them (M outside 2..16,
-    not bf16 on sm_90, DSPARK_GEMV_MMA / DSPARK_NVFP4_STACK off, or the shape): the caller runs the layers then."""
+    not bf16 on sm_90, KernelConfig.gemv_mma / nvfp4_stack off, or the shape): the caller runs the layers then."""
     (m, k), n = x.shape, packed.shape[0]
-    if not (2 <= m <= 16 and dispatch.GEMV_MMA and dispatch.NVFP4_STACK and x.dtype == torch.bfloat16
+    if not (2 <= m <= 16 and active().gemv_mma and active().nvfp4_stack and x.dtype == torch.bfloat16
             and x.is_cuda and mma_fits(n, k) and _has_bf16x2_mul(x.device)):
         return None
     cfg = default_gemv_config(m, n, k, mma_ok=True)
@@ -278,7 +278,7 @@ def w4a16_gemv(x: Tensor, packed: Tensor, weight_scale: Tensor, weight_scale_2: 
         raise ValueError(f"w4a16_gemv handles M <= {GEMV_MAX_M}, got M = {m}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    mma_ok = dispatch.GEMV_MMA and x.dtype == torch.bfloat16 and x.is_cuda and _has_bf16x2_mul(x.device)
+    mma_ok = active().gemv_mma and x.dtype == torch.bfloat16 and x.is_cuda and _has_bf16x2_mul(x.device)
     cfg = config or default_gemv_config(m, n, k, mma_ok=mma_ok)
     if cfg.mma:
         tiles, rest = divmod(cfg.block_n, 16 * cfg.num_warps)

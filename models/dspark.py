@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark_serve.kernels.attention import AttentionMetadata, store_kv
-from dspark_serve.kernels.dispatch import use_triton
+from dspark_serve.kernels.config import use_triton
 
 from .draft_config import DraftConfig
 from .layers import RMSNorm, Rotary, keep_tile_major

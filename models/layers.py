@@ -190,15 +190,16 @@ class AttentionProjections(nn.Module):
 
 
 def keep_tile_major(layers: nn.ModuleList) -> bool:
-    """Whether the layers' fuse() keeps tile-major copies of their bf16 projections: dispatch.DENSE_TILED "1" or
-    "0", by default when the copies take at most dispatch.DENSE_TILED_MAX_FRACTION of the GPU's memory."""
-    from dspark_serve.kernels import dispatch
-    if dispatch.DENSE_TILED != "auto":
-        return dispatch.DENSE_TILED == "1"
+    """Whether the layers' fuse() keeps tile-major copies of their bf16 projections: KernelConfig.dense_tiled, by
+    default when the copies take at most its dense_tiled_max_fraction of the GPU's memory."""
+    from dspark_serve.kernels.config import active
+    cfg = active()
+    if cfg.dense_tiled is not None:
+        return cfg.dense_tiled
     ws = [m.weight for m in layers.modules() if type(m) is nn.Linear and m.weight.is_cuda
           and m.weight.dtype == torch.bfloat16]
     return bool(ws) and sum(w.numel() * 2 for w in ws) <= \
-        dispatch.DENSE_TILED_MAX_FRACTION * torch.cuda.get_device_properties(ws[0].device).total_memory
+        cfg.dense_tiled_max_fraction * torch.cuda.get_device_properties(ws[0].device).total_memory
 
 
 def _tiled_copy(w: Tensor | None, swiglu: bool = False) -> Tensor | None:

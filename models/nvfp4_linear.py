@@ -66,8 +66,8 @@ class NVFP4Linear(nn.Module):
         self._dense, self._dense_scale, self._dense_min_rows = weight, None, min_rows
 
     def keep_bf16_scales(self) -> None:
-        """Keep weight_scale as bf16 (exact), which the GEMV's inline-PTX decode reads (DSPARK_GEMV_PRMT=1), instead
-        of converting it every call. Call again after changing the NVFP4 tensors."""
+        """Keep weight_scale as bf16 (exact), which the GEMV's inline-PTX decode reads (KernelConfig.gemv_prmt),
+        instead of converting it every call. Call again after changing the NVFP4 tensors."""
         self._scale_bf16 = self.weight_scale.to(torch.bfloat16)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., K] -> [..., N]

@@ -6,8 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from dspark_serve.kernels.attention import AttentionMetadata, paged_attention, prompt_attention, store_kv
-from dspark_serve.kernels import dispatch
-from dspark_serve.kernels.dispatch import use_triton
+from dspark_serve.kernels.config import active, use_triton
 
 from .config import ModelConfig
 from .layers import MLP, AttentionProjections, RMSNorm, Rotary, keep_tile_major
@@ -60,7 +59,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetada
         from dspark_serve.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    if meta.prompt_lens and dispatch.PROMPT_SDPA:
+    if meta.prompt_lens and active().prompt_sdpa:
         return prompt_attention(q, k_cache, v_cache, meta, scale)
     return paged_attention(q, k_cache, v_cache, meta, scale)
 
@@ -68,7 +67,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetada
 def run_layers(layers: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                final_norm: RMSNorm, want: dict[int, Tensor | None]) -> Tensor:
     """The decoder stack -> final-normed hidden; fills want[i] with layer i's residual output. Triton kernels on
-    CUDA at inference (kernels/dispatch.py), the reference modules otherwise."""
+    CUDA at inference (kernels/config.py), the reference modules otherwise."""
     if not use_triton(x):
         for i, layer in enumerate(layers):
             x = layer(x, cos, sin, kv_cache[i], meta)
@@ -137,8 +136,8 @@ class QwenForCausalLM(nn.Module):
             layer.fuse(tiled)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[T, hidden] -> [T, vocab] fp32 (with dispatch.LM_HEAD_GEMV, decode rows through the Triton GEMVs)."""
-        if dispatch.LM_HEAD_GEMV and hidden.is_cuda:
+        """[T, hidden] -> [T, vocab] fp32 (with KernelConfig.lm_head_gemv, decode rows through the Triton GEMVs)."""
+        if active().lm_head_gemv and hidden.is_cuda:
             from dspark_serve.kernels.gemv_bf16 import linear
             return linear(hidden, self.lm_head.weight).float()
         return self.lm_head(hidden).float()

@@ -30,3 +30,16 @@ def _blocks_free_when_idle():
 def _seeded_torch():
     """Every test starts from the same global RNG state: unseeded random inputs are the same on every run."""
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def kernel_config():
+    """kernel_config(pdl=False, ...) installs the current KernelConfig with those fields for one test; the config
+    before it is back after the test."""
+    from dataclasses import replace
+
+    from dspark_serve.kernels import config
+
+    before = config.active()
+    yield lambda **fields: config.install(replace(config.active(), **fields))
+    config.install(before)

@@ -1,5 +1,5 @@
 """bench/bench_prefill.py on tiny shapes on CPU: eager against prefill-graph time to first token, and the path the
-MAX_WORK rule picks for each length."""
+prompt_graph_work rule picks for each length."""
 
 import json
 
@@ -8,13 +8,14 @@ import torch
 from bench_scripts import BENCH
 
 from dspark_serve.engine import prompt_graphs
+from dspark_serve.kernels.config import KernelConfig
 
 
-def test_bench_prefill_tiny_runs_and_reports(tmp_path, monkeypatch):
+def test_bench_prefill_tiny_runs_and_reports(tmp_path, monkeypatch, kernel_config):
     monkeypatch.syspath_prepend(str(BENCH))  # the script imports its siblings bench_gpu and bench_step
     import bench_prefill
     w = prompt_graphs.layer_weights(bench_prefill.make_target("tiny", "cpu", torch.float32).config)
-    monkeypatch.setattr(prompt_graphs, "MAX_WORK", 48 * w)  # buckets 32 and 48 take graphs, 64 runs eagerly
+    kernel_config(prompt_graph_work=48 * w)  # buckets 32 and 48 take graphs, 64 runs eagerly
     out = tmp_path / "r.json"
     bench_prefill.main(["--device", "cpu", "--models", "tiny", "--lens", "5", "40", "60", "--repeat", "1",
                         "--json", str(out)])
@@ -28,6 +29,7 @@ def test_bench_prefill_tiny_runs_and_reports(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("text", ["abc", "-1", "nan"])
 def test_prompt_graph_work_refuses_bad_values(text):
-    with pytest.raises(ValueError, match="DSPARK_PROMPT_GRAPH_WORK takes a number >= 0"):
-        prompt_graphs._work_limit(text)
-    assert prompt_graphs._work_limit("inf") == float("inf") and prompt_graphs._work_limit("0") == 0
+    with pytest.raises(ValueError, match="prompt_graph_work takes a number"):
+        KernelConfig.from_env(environ={"DSPARK_PROMPT_GRAPH_WORK": text})
+    assert KernelConfig.from_env(environ={"DSPARK_PROMPT_GRAPH_WORK": "inf"}).prompt_graph_work == float("inf")
+    assert KernelConfig.from_env(environ={"DSPARK_PROMPT_GRAPH_WORK": "0"}).prompt_graph_work == 0

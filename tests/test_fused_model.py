@@ -1,8 +1,8 @@
 """The models on the Triton fast path (fused norms/RoPE/SwiGLU, one-GEMM q/k/v and gate/up, Triton paged attention)
 against the reference modules, under the CPU interpreter in fp32: the same hidden states, features and tokens.
 
-Reruns itself in a child process with TRITON_INTERPRET=1 (see tests/interpreter.py); DSPARK_TRITON=1 turns the
-fast path on for CPU tensors there.
+Reruns itself in a child process with TRITON_INTERPRET=1 (see tests/interpreter.py); KernelConfig(triton=True) turns
+the fast path on for CPU tensors there.
 """
 
 from dataclasses import replace
@@ -27,8 +27,8 @@ else:
     TABLES = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]  # block size 8: 40 slots per request
     STEPS = [([0, 0], [20, 5]), ([20, 5], [1, 1]), ([21, 6], [8, 3])]  # prefill (prompt SDPA), decode, verify
 
-    def _steps(model, fused: bool, monkeypatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        monkeypatch.setenv("DSPARK_TRITON", "1" if fused else "0")
+    def _steps(model, fused: bool, kernel_config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        kernel_config(triton=fused)
         cache = model.allocate_kv_cache(10, 8)
         g, out = torch.Generator().manual_seed(0), []
         with torch.inference_mode():
@@ -40,13 +40,13 @@ else:
         return out
 
     @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
-    def test_target_fast_path_equals_reference(arch, monkeypatch):
+    def test_target_fast_path_equals_reference(arch, monkeypatch, kernel_config):
         torch.manual_seed(0)
         model = QwenForCausalLM(replace(tiny_target_config(256, num_layers=3), arch=arch, num_heads=6,
                                         num_kv_heads=2, head_dim=16))
         _randomize(model, 0.2)
         model.eval()
-        want = _steps(model, False, monkeypatch)
+        want = _steps(model, False, kernel_config)
         state = {k: v.clone() for k, v in model.state_dict().items()}
         model.fuse_projections()
         assert model.model.layers[0].self_attn._qkv is not None and model.model.layers[0].mlp._gate_up is not None
@@ -56,20 +56,20 @@ else:
         monkeypatch.setattr(pat, "paged_attention_triton", lambda *a: calls.append(1) or real(*a))
         monkeypatch.setattr(qwen, "prompt_attention", lambda *a: prompts.append(1) or real_prompt(*a))
         for fused in (False, True):
-            for (h, f), (h_ref, f_ref) in zip(_steps(model, fused, monkeypatch), want):
+            for (h, f), (h_ref, f_ref) in zip(_steps(model, fused, kernel_config), want):
                 torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(f, f_ref, rtol=1e-4, atol=1e-4)
         assert len(calls) == 2 * 3  # decode and verify on every layer
         assert len(prompts) == 3  # the 20-token prefill of fresh prompts on every layer
 
-    def test_draft_context_write_fast_path_equals_reference(monkeypatch):
+    def test_draft_context_write_fast_path_equals_reference(kernel_config):
         _, draft = tiny_pair(seed=2, block_size=6, dtype=torch.float32)
         g = torch.Generator().manual_seed(3)
         feats = torch.randn(5, draft.config.context_dim, generator=g)
         pos, slots = torch.arange(3, 8), torch.tensor([3, 4, 5, 12, 13])
         caches = []
         for fused in (False, True):
-            monkeypatch.setenv("DSPARK_TRITON", "1" if fused else "0")
+            kernel_config(triton=fused)
             cache = draft.allocate_kv_cache(2, 8)
             with torch.inference_mode():
                 draft.write_context(feats, pos, slots, cache, all_slots_valid=True)
@@ -78,7 +78,7 @@ else:
         torch.testing.assert_close(caches[1], caches[0], rtol=1e-5, atol=1e-5)
 
     @pytest.mark.parametrize("static", [False, True])
-    def test_engine_tokens_on_the_fast_path(static, monkeypatch):
+    def test_engine_tokens_on_the_fast_path(static, kernel_config):
         target, draft = tiny_pair(seed=4, agree=0.01, block_size=6, dtype=torch.float32)
         target.fuse_projections(), draft.fuse_projections()
         g = torch.Generator().manual_seed(5)
@@ -87,7 +87,7 @@ else:
                   for i, t in enumerate((0.0, 0.9))]
         outs = []
         for fused in (False, True):
-            monkeypatch.setenv("DSPARK_TRITON", "1" if fused else "0")
+            kernel_config(triton=fused)
             llm = LLM(target, draft, device="cpu", block_size=8, num_kv_blocks=64, max_model_len=128,
                       enforce_eager=not static)
             outs.append([o.token_ids for o in llm.generate(prompts, params)])

@@ -90,8 +90,8 @@ def test_cpu_operands_keep_the_reference():
 
 def test_tiled_copies_need_cuda_bf16_weights(monkeypatch):
     """Tile-major copies on a CPU model (or fp32, or shapes the kernel cannot tile) are never kept: fuse() stays
-    free of extra memory there; DSPARK_DENSE_TILED's default keeps them only for CUDA bf16 weights."""
-    from dspark_serve.kernels import dispatch
+    free of extra memory there; KernelConfig.dense_tiled's default keeps them only for CUDA bf16 weights."""
+    from dspark_serve.kernels.config import KernelConfig, using
     from dspark_serve.models.layers import MLP, _tiled_copy, keep_tile_major
     mlp = MLP(256, 512).to(torch.bfloat16)
     mlp.fuse(tiled=True)
@@ -99,10 +99,9 @@ def test_tiled_copies_need_cuda_bf16_weights(monkeypatch):
     assert _tiled_copy(torch.randn(64, 256)) is None and _tiled_copy(None) is None
     assert _tiled_copy(torch.randn(64, 256).bfloat16()) is None
     layers = torch.nn.ModuleList([MLP(256, 512).to(torch.bfloat16)])
-    assert dispatch.DENSE_TILED in ("auto", "0", "1")
-    monkeypatch.setattr(dispatch, "DENSE_TILED", "auto")
-    assert not keep_tile_major(layers)  # no CUDA weights
-    monkeypatch.setattr(dispatch, "DENSE_TILED", "1")
-    assert keep_tile_major(layers)
-    monkeypatch.setattr(dispatch, "DENSE_TILED", "0")
-    assert not keep_tile_major(layers)
+    with using(KernelConfig(dense_tiled=None)):
+        assert not keep_tile_major(layers)  # no CUDA weights
+    with using(KernelConfig(dense_tiled=True)):
+        assert keep_tile_major(layers)
+    with using(KernelConfig(dense_tiled=False)):
+        assert not keep_tile_major(layers)

@@ -109,12 +109,11 @@ def test_w4a16_gemv_compiles(monkeypatch, m, prmt):
                             lambda: g.w4a16_gemv(x, packed, scale, scale_2, cfg)) == {words: 1}
 
 
-def test_sass_loop_counts_the_hot_loop(monkeypatch):
+def test_sass_loop_counts_the_hot_loop(kernel_config):
     """bench/sass_loop.py finds each GEMV path's inner loop; the PTX-table decode needs fewer instructions per
     weight word than the integer decode it replaces (static counts from ptxas, not timings), and its block scales,
     read as 4-byte bf16 pairs, arrive through the cp.async pipeline (no global load waits inside the loop)."""
-    from dspark_serve.kernels import dispatch
-    monkeypatch.setattr(dispatch, "GEMV_PRMT", True)
+    kernel_config(gemv_prmt=True)
     rows = {p.name: p for p in sass_loop.gemv_profiles(16, 4096, 1024)}
     assert set(rows) == {"tensor cores, prmt [64, 256] 4w (default)", "tensor cores [64, 256] 4w", "words [8, 512] 2w",
                          "mma [128, 128] 4w (sm_90 default)"}

@@ -102,9 +102,7 @@ def test_prompt_graphs_match_dynamic_prefill(lens):
     assert built == ({32, 48} if len(lens) <= 4 else set())  # five fresh prompts run eagerly as one batch
 
 
-def test_prompt_graphs_leave_compute_bound_prefills_eager(monkeypatch):
-    from dspark_serve.engine import prompt_graphs
-
+def test_prompt_graphs_leave_compute_bound_prefills_eager():
     target, _ = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
     side = TargetSide(target, 64, 8)
     side.use_static_shapes((1,), max_model_len=128)
@@ -112,7 +110,7 @@ def test_prompt_graphs_leave_compute_bound_prefills_eager(monkeypatch):
     w = side.prompts.layer_weights
     assert w == c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim \
         + 3 * c.hidden_size * c.intermediate_size
-    monkeypatch.setattr(prompt_graphs, "MAX_WORK", 64 * w)  # 64 padded tokens of this model at most
+    side.prompts.max_work = 64 * w  # 64 padded tokens of this model at most
     takes = {tuple(lens): side.prompts.takes([0] * len(lens), lens)
              for lens in ([32], [30, 2], [33], [49], [64], [65], [32, 33], [1, 1, 1])}
     assert takes == {(32,): True, (30, 2): True, (33,): True, (49,): True, (64,): True, (65,): False,
@@ -202,7 +200,7 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
     """warm_up() records the batch-1 graphs up front (the engine does at start on CUDA): every prefill bucket one
     prompt takes, decode and verify at every context bucket, the draft's greedy and sampling graphs; on padding,
     so no live cache block changes; the first requests then replay them, with the dynamic path's outputs."""
-    from dspark_serve.engine import cuda_graphs, prompt_graphs
+    from dspark_serve.engine import cuda_graphs
     from dspark_serve.engine.draft_side import DraftInput, DraftSide
     from dspark_serve.engine.spec_config import SpeculativeConfig
 
@@ -213,7 +211,7 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "capture", _padding_only_capture([side.cache, dside.cache], 64, pools))
     side.use_static_shapes((1, 4), max_model_len=300, capture=True)
     dside.use_static_shapes(max_model_len=300, capture=True)
-    monkeypatch.setattr(prompt_graphs, "MAX_WORK", 96 * side.prompts.layer_weights)  # one prompt of <= 96 tokens
+    side.prompts.max_work = 96 * side.prompts.layer_weights  # one prompt of <= 96 tokens
     assert side.warm_up() == 2 * 2 + 4 and dside.warm_up() == 2 * 2 and len(pools) == 12
     assert set(side.graphs._runners) == {(q, 1, c) for q in (1, 4) for c in (256, 304)}
     assert set(side.prompts._runners) == {32, 48, 64, 96}  # of the buckets up to 384

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark_serve.kernels.dispatch import HAVE_TRITON
+from dspark_serve.kernels.config import HAVE_TRITON
 from dspark_serve.kernels.distill_loss_ref import distill_rows_ref
 
 LOSS_WEIGHTS = (0.1, 0.9, 1.0)  # (ce, tv, conf)

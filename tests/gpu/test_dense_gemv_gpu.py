@@ -1,10 +1,9 @@
 """The dense bf16 GEMV on CUDA: against an fp64 reference at the 8B's projection shapes, inside a CUDA graph, and
-inside the target's fused MLP and o projection (DSPARK_DENSE_GEMV)."""
+inside the target's fused MLP and o projection (KernelConfig.dense_gemv)."""
 
 import pytest
 import torch
 
-from dspark_serve.kernels import dispatch
 from dspark_serve.kernels.gemv_bf16 import gemv
 from dspark_serve.models.layers import MLP
 
@@ -38,7 +37,7 @@ def test_gemv_in_cuda_graph():
     assert torch.equal(out, want)
 
 
-def test_fused_mlp_and_o_proj_take_it(monkeypatch):
+def test_fused_mlp_and_o_proj_take_it(monkeypatch, kernel_config):
     from dspark_serve.models.config import ModelConfig
     from dspark_serve.models.layers import AttentionProjections
     mlp = MLP(512, 1536).to(DEV, torch.bfloat16)
@@ -49,10 +48,10 @@ def test_fused_mlp_and_o_proj_take_it(monkeypatch):
                       tie_word_embeddings=False, dtype=torch.bfloat16)
     attn = AttentionProjections(cfg).to(DEV, torch.bfloat16)
     o = torch.randn(7, 512, device=DEV).bfloat16()
-    monkeypatch.setattr(dispatch, "DENSE_MMA", False)                   # (7 rows would take the mma GEMV)
-    monkeypatch.setattr(dispatch, "DENSE_GEMV", False)
+    kernel_config(dense_mma=False)                   # (7 rows would take the mma GEMV)
+    kernel_config(dense_gemv=False)
     mlp_off, o_off = mlp.forward_fused(x), attn.output(o)
-    monkeypatch.setattr(dispatch, "DENSE_GEMV", True)
+    kernel_config(dense_gemv=True)
     from dspark_serve.kernels import gemv_bf16
     calls = []
     monkeypatch.setattr(gemv_bf16, "gemv", lambda x, *a, **kw: calls.append(x.shape) or gemv(x, *a, **kw))
@@ -75,7 +74,7 @@ def test_swiglu_epilogue_is_silu_mul_of_the_gemv(i, k):
 
 
 @pytest.mark.parametrize("hidden,inter,heads,kv,d", [(4096, 12288, 32, 8, 128), (896, 4864, 14, 2, 64)])
-def test_decoder_layer_norms_fused_into_the_gemvs(hidden, inter, heads, kv, d, monkeypatch):
+def test_decoder_layer_norms_fused_into_the_gemvs(hidden, inter, heads, kv, d, monkeypatch, kernel_config):
     """DSPARK_NORM_GEMV: at one row the q/k/v and gate/up GEMVs apply the layer's RMSNorms themselves (4 launches
     fewer); the layer's output and residual match the separate norms' (the residual bit for bit) at the 8B and
     0.5B shapes, with and without a residual coming in; 8 rows keep the separate norms."""
@@ -106,7 +105,7 @@ def test_decoder_layer_norms_fused_into_the_gemvs(hidden, inter, heads, kv, d, m
         for res in (None, torch.randn(rows, hidden, device=DEV).bfloat16()):
             outs = []
             for on in (False, True):
-                monkeypatch.setattr(dispatch, "NORM_GEMV", on)
+                kernel_config(norm_gemv=on)
                 norms.clear()
                 with torch.inference_mode():
                     outs.append(layer.forward_fused(x, res, cos, sin, cache, meta))

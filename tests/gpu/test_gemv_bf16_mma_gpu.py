@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available()
                                                   reason="needs an sm_90 GPU")]
 
 if torch.cuda.is_available():
-    from dspark_serve.kernels import dispatch
+    from dspark_serve.kernels.config import KernelConfig, using
     from dspark_serve.kernels.fused_ops import silu_mul
     from dspark_serve.kernels.gemv_bf16 import linear, linear_silu_mul
     from dspark_serve.kernels.gemv_bf16_mma import MmaDenseConfig, default_mma_dense_config, gemv_mma_dense
@@ -84,11 +84,11 @@ def test_cuda_graph_and_unaligned_x():
 def test_linear_routes_verify_rows(monkeypatch):
     w = torch.randn(2048, 512, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(8, 512, device=DEV, dtype=torch.bfloat16)
-    monkeypatch.setattr(dispatch, "DENSE_MMA", True)
-    assert torch.equal(linear(x, w), gemv_mma_dense(x, w))
-    assert torch.equal(linear_silu_mul(x, w), gemv_mma_dense(x, w, swiglu=True))
-    monkeypatch.setattr(dispatch, "DENSE_MMA", False)
-    assert torch.equal(linear(x, w), F.linear(x, w))
+    with using(KernelConfig(dense_mma=True)):
+        assert torch.equal(linear(x, w), gemv_mma_dense(x, w))
+        assert torch.equal(linear_silu_mul(x, w), gemv_mma_dense(x, w, swiglu=True))
+    with using(KernelConfig(dense_mma=False)):
+        assert torch.equal(linear(x, w), F.linear(x, w))
     with pytest.raises(ValueError, match="16-byte aligned rows"):
         gemv_mma_dense(x, w[:, :500])
 
@@ -123,10 +123,10 @@ def test_fused_layers_keep_a_tile_major_copy(monkeypatch):
                       num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, max_position=512,
                       tie_word_embeddings=False, dtype=torch.bfloat16)
     mlp, attn = MLP(512, 1536).to(DEV, torch.bfloat16), AttentionProjections(cfg).to(DEV, torch.bfloat16)
-    monkeypatch.setattr(dispatch, "DENSE_TILED", "auto")
-    assert keep_tile_major(torch.nn.ModuleList([mlp, attn]))  # 6 MB of projections
-    monkeypatch.setattr(dispatch, "DENSE_TILED", "0")
-    assert not keep_tile_major(torch.nn.ModuleList([mlp, attn]))
+    with using(KernelConfig(dense_tiled=None)):
+        assert keep_tile_major(torch.nn.ModuleList([mlp, attn]))  # 6 MB of projections
+    with using(KernelConfig(dense_tiled=False)):
+        assert not keep_tile_major(torch.nn.ModuleList([mlp, attn]))
     mlp.fuse(), attn.fuse()
     assert mlp._tiled == (None, None) and attn._tiled == (None, None)
     x, o = torch.randn(8, 512, device=DEV).bfloat16(), torch.randn(8, 512, device=DEV).bfloat16()

@@ -162,13 +162,12 @@ def test_kept_dense_copy_on_gpu():
     assert torch.equal(q(x[:3]), dense_unit_matmul(x[:3], q._dense, q.weight_scale_2) + q.bias)
 
 
-def test_nvfp4_linear_with_prmt_decode(monkeypatch):
-    """DSPARK_GEMV_PRMT's path inside NVFP4Linear (bf16 scales kept) agrees with the integer decode at M <= 16."""
-    from dspark_serve.kernels import dispatch
+def test_nvfp4_linear_with_prmt_decode(kernel_config):
+    """KernelConfig.gemv_prmt's path inside NVFP4Linear (bf16 scales kept) agrees with the integer decode at M <= 16."""
     q = NVFP4Linear.from_linear(torch.nn.Linear(1024, 4096)).to(DEV)
     x = torch.randn(7, 1024, device=DEV, dtype=torch.bfloat16)
     plain = q(x).double()
-    monkeypatch.setattr(dispatch, "GEMV_PRMT", True)
+    kernel_config(gemv_prmt=True)
     q.keep_bf16_scales()
     assert q._scale_bf16.dtype == torch.bfloat16
     assert (q(x).double() - plain).abs().max() <= 2 ** -6 * plain.abs().max()
