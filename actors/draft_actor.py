@@ -2,32 +2,39 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dspark_serve.engine.draft_side import DraftSide
 from dspark_serve.engine.llm import context_limit
-from dspark_serve.engine.spec_config import SpeculativeConfig
+from dspark_serve.kernels.config import install as install_kernels
 from dspark_serve.models.draft_config import DraftConfig
 from dspark_serve.models.draft_loader import load_draft
 from dspark_serve.models.target_loader import load_target_heads
 
 from .channel import DraftEnd
-from .placement_env import actor_device, set_cpu_threads, torch_dtype
+from .placement_env import actor_device, set_cpu_threads
+
+if TYPE_CHECKING:  # the annotation only: actors do not import the cluster layer
+    from dspark_serve.cluster.config import PairConfig
 
 
 class DraftActor:
-    def __init__(self, cfg) -> None:  # cfg: cluster.config.PairConfig
-        self.device = actor_device(cfg.device)
+    def __init__(self, cfg: PairConfig) -> None:
+        engine = cfg.engine
+        self.device = actor_device(engine.device)
         self.cpu_threads, self.channel_timeout_s = cfg.cpu_threads, cfg.channel_timeout_s
         set_cpu_threads(self.device, self.cpu_threads)
-        dtype = torch_dtype(cfg.dtype)
-        spec = SpeculativeConfig.from_json(cfg.speculative_config)
-        heads = load_target_heads(cfg.target, dtype=dtype)
-        model = load_draft(cfg.draft, target=heads, dtype=dtype).to(self.device)
-        self.side = DraftSide(model, cfg.num_kv_blocks, cfg.block_size, spec, heads.config.vocab_size)
-        if self.device.type == "cuda" and not cfg.enforce_eager:
-            self.side.use_static_shapes(context_limit(cfg.max_model_len, heads.config.max_position))
-            self.side.warm_up(cfg.max_num_seqs)  # every batch bucket's graphs now, not during requests
+        install_kernels(engine.kernel_config(self.device))  # before the draft is prepared, as the LLM does
+        dtype = engine.torch_dtype()
+        heads = load_target_heads(engine.target, dtype=dtype)
+        model = load_draft(engine.draft, target=heads, dtype=dtype).to(self.device)
+        self.side = DraftSide(model, engine.kv_blocks, engine.block_size, engine.speculative_config,
+                              heads.config.vocab_size)
+        if self.device.type == "cuda" and not engine.enforce_eager:
+            self.side.use_static_shapes(context_limit(engine.max_model_len, heads.config.max_position))
+            self.side.warm_up(engine.max_num_seqs)  # every batch bucket's graphs now, not during requests
         self.config: DraftConfig = model.config
         self.feature_dtype = dtype or heads.config.dtype
         self.end: DraftEnd | None = None

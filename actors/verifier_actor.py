@@ -11,31 +11,34 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.request import StepOutput
 from dspark_serve.engine.sampling_params import SamplingParams
-from dspark_serve.engine.spec_config import SpeculativeConfig
 from dspark_serve.models.draft_config import DraftConfig
 
 from .channel import VerifierEnd, free_port
-from .placement_env import actor_device, node_ip, set_cpu_threads, torch_dtype
+from .placement_env import actor_device, node_ip, set_cpu_threads
 from .remote_draft import RemoteDraft
 from .request_stream import StreamServer
+
+if TYPE_CHECKING:  # the annotation only: actors do not import the cluster layer
+    from dspark_serve.cluster.config import PairConfig
 
 IDLE_POLL_S = 0.05  # how often an idle loop looks at its stop flag (a frame wakes it at once)
 
 
 class VerifierActor:
-    def __init__(self, cfg) -> None:  # cfg: cluster.config.PairConfig
+    def __init__(self, cfg: PairConfig) -> None:
         self.cfg = cfg
-        self.device = actor_device(cfg.device)
+        self.device = actor_device(cfg.engine.device)
         set_cpu_threads(self.device, cfg.cpu_threads)  # this thread: loading, warm-up
-        self.dtype = torch_dtype(cfg.dtype)
-        self.spec = SpeculativeConfig.from_json(cfg.speculative_config)
-        self.draft_cfg = DraftConfig.from_dir(cfg.draft) if cfg.draft else None
+        self.spec = cfg.engine.speculative_config
+        self.draft_cfg = DraftConfig.from_dir(cfg.engine.draft) if cfg.engine.draft else None
         if self.draft_cfg is not None:
             self.spec.validate(block_limit=self.draft_cfg.num_speculative_tokens)
         self.llm: LLM | None = None
@@ -71,7 +74,8 @@ class VerifierActor:
         end.feature_dtype = self.llm.target.model.lm_head.weight.dtype
         end.target_vocab = self.llm.target.vocab_size
         n = self.spec.num_speculative_tokens or self.draft_cfg.num_speculative_tokens
-        self._new_draft = RemoteDraft(end, n, self.draft_cfg.query_len, self.cfg.num_kv_blocks, self.cfg.block_size)
+        self._new_draft = RemoteDraft(end, n, self.draft_cfg.query_len, self.cfg.engine.kv_blocks,
+                                      self.cfg.engine.block_size)
         return True
 
     def _open_channel(self, host: str, port: int, backend: str) -> VerifierEnd:
@@ -93,17 +97,15 @@ class VerifierActor:
                     pass
 
     def _build(self, end: VerifierEnd | None) -> None:
-        c = self.cfg
+        c = self.cfg.engine
         remote = None
         if end is not None:
             n = self.spec.num_speculative_tokens or self.draft_cfg.num_speculative_tokens
-            remote = RemoteDraft(end, n, self.draft_cfg.query_len, c.num_kv_blocks, c.block_size)
-        local = c.draft if c.colocate else None  # co-located: the draft runs in this actor, on its device
-        self.llm = LLM(c.target, local, self.spec, dtype=self.dtype, device=str(self.device),
-                       block_size=c.block_size, num_kv_blocks=None if c.gpu_memory_utilization else c.num_kv_blocks,
-                       gpu_memory_utilization=c.gpu_memory_utilization, max_num_seqs=c.max_num_seqs,
-                       max_model_len=c.max_model_len, draft_side=remote, enforce_eager=c.enforce_eager or None,
-                       capture_layers=self.draft_cfg.target_layer_ids if remote is not None else ())
+            remote = RemoteDraft(end, n, self.draft_cfg.query_len, c.kv_blocks, c.block_size)
+        # co-located: the draft runs in this actor, on its device; else behind the step channel
+        engine = replace(c, device=str(self.device), draft=c.draft if self.cfg.colocate else None)
+        self.llm = LLM.from_config(engine, draft_side=remote,
+                                   capture_layers=self.draft_cfg.target_layer_ids if remote is not None else ())
 
     def start(self) -> bool:
         self.stream = StreamServer(self.cfg.channel_host or node_ip())
@@ -229,9 +231,9 @@ class VerifierActor:
         from dspark_serve.models.chat_template import ChatTemplateError, load_chat_template
 
         try:
-            return load_chat_template(self.cfg.target, self.cfg.chat_template)
+            return load_chat_template(self.cfg.engine.target, self.cfg.engine.chat_template)
         except ChatTemplateError:
-            if self.cfg.chat_template is not None:
+            if self.cfg.engine.chat_template is not None:
                 raise
             return None
 
@@ -251,7 +253,7 @@ class VerifierActor:
 
     def model_info(self) -> dict:
         llm = self.llm
-        return {"target": self.cfg.target, "draft": self.cfg.draft or "", "method": self.spec.method,
+        return {"target": self.cfg.engine.target, "draft": self.cfg.engine.draft or "", "method": self.spec.method,
                 "vocab_size": llm.target.vocab_size, "max_model_len": llm.max_model_len,
                 "num_speculative_tokens": llm.max_speculative_tokens,
                 "eos_token_ids": sorted(llm.scheduler.eos_token_ids), "has_tokenizer": llm.tokenizer is not None}

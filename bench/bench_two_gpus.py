@@ -23,6 +23,7 @@ import torch
 from dspark_serve.cluster.config import PairConfig
 from dspark_serve.cluster.demo import GPU_SPEC_CONFIG
 from dspark_serve.cluster.pair import create_pair
+from dspark_serve.engine.engine_config import EngineConfig
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.demo import DEMO_DRAFTER
@@ -93,8 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     ray.init(include_dashboard=False, log_to_driver=False, **({"_node_ip_address": "127.0.0.1", "runtime_env": {
         "env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}} if cpu else {}))
     gpus = ray.cluster_resources().get("GPU", 0)
-    cfg = PairConfig(target, str(DEMO_DRAFTER), GPU_SPEC_CONFIG, device=args.device,
-                     channel_host="127.0.0.1" if cpu else None, **KV)
+    engine = EngineConfig.from_options(dict(target=target, draft=str(DEMO_DRAFTER),
+                                            speculative_config=GPU_SPEC_CONFIG, device=args.device, **KV))
+    cfg = PairConfig(engine, channel_host="127.0.0.1" if cpu else None)
     result: dict = {"device": torch.cuda.get_device_name() if not cpu else "cpu", "gpus": gpus,
                     "tokens": args.tokens, "prompts": args.prompts, "speculative_config": GPU_SPEC_CONFIG,
                     "target": args.target or "random Qwen2.5-0.5B shape"}

@@ -40,14 +40,14 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resources(text: str | None, flag: str) -> tuple[tuple[str, float], ...]:
+def _resources(text: str | None, flag: str) -> dict[str, float] | None:
     import json
 
     if not text:
-        return ()
+        return None
     try:
         value = json.loads(text)
-        return tuple(sorted((str(k), float(v)) for k, v in value.items()))
+        return {str(k): float(v) for k, v in value.items()}
     except (ValueError, AttributeError):
         raise SystemExit(f"dspark-serve serve: error: {flag} must be a JSON object of numbers, got {text!r}") from None
 
@@ -65,21 +65,17 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def _serve(args: argparse.Namespace) -> int:
     import os
 
+    from dspark_serve.engine.engine_config import EngineConfig, split_options
+
     from .config import GatewayConfig, PairConfig
     from .service import run
 
-    target, draft = _serve_models(args)
-    pair = PairConfig(target=target, draft=draft, speculative_config=args.speculative_config,
-                      device=args.device or "auto", dtype=None if args.dtype == "auto" else args.dtype,
-                      block_size=args.block_size,
-                      num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                      gpu_memory_utilization=args.gpu_memory_utilization,
-                      max_model_len=args.max_model_len, enforce_eager=args.enforce_eager, placement=args.placement,
-                      channel_host=args.channel_host, colocate=args.colocate, cpu_threads=args.cpu_threads,
-                      channel_timeout_s=args.channel_timeout, keepalive_s=args.keepalive,
+    target = _serve_target(args)
+    deployment = dict(placement=args.placement, channel_host=args.channel_host, colocate=args.colocate,
+                      cpu_threads=args.cpu_threads, channel_timeout_s=args.channel_timeout,
+                      keepalive_s=args.keepalive,
                       target_resources=_resources(args.target_resources, "--target-resources"),
-                      draft_resources=_resources(args.draft_resources, "--draft-resources"),
-                      chat_template=args.chat_template)
+                      draft_resources=_resources(args.draft_resources, "--draft-resources"))
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
                             drain_timeout_s=args.drain_timeout, max_prompt_chars=args.max_prompt_chars,
                             stream_messages_per_s=args.stream_messages_per_s, max_request_bytes=args.max_request_bytes,
@@ -90,39 +86,27 @@ def _serve(args: argparse.Namespace) -> int:
                             ssl_ca_certs=args.ssl_ca_certs, health_port=args.health_port,
                             http_port=args.http_port, served_model_name=args.served_model_name)
     try:
-        pair.validate()
-        _check_context_limit(target, args.max_model_len, 1 << 62 if args.gpu_memory_utilization else
-                             args.num_kv_blocks * args.block_size)
+        engine = EngineConfig.from_options({**split_options(vars(args))[0], "target": target})
+        pair = PairConfig.from_options(engine, deployment)
+        _check_context_limit(target, engine.max_model_len, 1 << 62 if engine.gpu_memory_utilization else
+                             engine.kv_blocks * engine.block_size)
         gateway.validate()
-        for path in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.chat_template):
+        for path in (args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, engine.chat_template):
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"no such file: {path}")
-        if args.speculative_config:
-            from dspark_serve.engine.spec_config import SpeculativeConfig
-
-            SpeculativeConfig.from_json(args.speculative_config)
     except ValueError as e:
         raise SystemExit(f"dspark-serve serve: error: {e}") from None
     return run(pair, gateway, args.address, args.num_cpus)
 
 
-def _serve_models(args: argparse.Namespace) -> tuple[str, str | None]:
-    """(target, draft) from the positional MODEL or --target, and --draft or speculative_config's "model"."""
-    import json
-
+def _serve_target(args: argparse.Namespace) -> str:
+    """The target from the positional MODEL or --target (the draft: --draft or speculative_config's "model")."""
     if args.model and args.target and args.model != args.target:
         raise SystemExit(f"dspark-serve serve: error: two targets given: {args.model} and --target {args.target}")
     target = args.model or args.target
     if not target:
         raise SystemExit("dspark-serve serve: error: give the target: dspark-serve serve MODEL (or --target DIR)")
-    draft = args.draft
-    if draft is None and args.speculative_config:
-        try:
-            spec = json.loads(args.speculative_config)
-        except ValueError as e:
-            raise SystemExit(f"dspark-serve serve: error: speculative_config is not valid JSON: {e}") from None
-        draft = spec.get("model") if isinstance(spec, dict) else None
-    return target, draft
+    return target
 
 
 def _check_context_limit(target: str, max_model_len: int | None, kv_tokens: int) -> None:
@@ -144,16 +128,14 @@ def _check_context_limit(target: str, max_model_len: int | None, kv_tokens: int)
 def _generate(args: argparse.Namespace) -> int:
     import json
 
-    import torch
-
     if args.server:
         return _generate_remote(args)
     if not args.target:
         raise SystemExit("dspark-serve generate: error: give --target DIR (in-process) or --server HOST:PORT")
 
+    from dspark_serve.engine.engine_config import EngineConfig, split_options
     from dspark_serve.engine.llm import LLM
     from dspark_serve.engine.sampling_params import SamplingParams
-    from dspark_serve.engine.spec_config import SpeculativeConfig
     from dspark_serve.models.config import CheckpointError
 
     try:
@@ -161,11 +143,9 @@ def _generate(args: argparse.Namespace) -> int:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
         params.validate()
-        spec = SpeculativeConfig.from_json(args.speculative_config)
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(args.dtype)
-        llm = LLM(args.target, args.draft, spec, device=args.device, dtype=dtype)
+        llm = LLM.from_config(EngineConfig.from_options(split_options(vars(args))[0]))
         if args.chat:
-            prompt = _chat_ids(args.target, llm.tokenizer, prompt)
+            prompt = _chat_ids(llm.config, llm.tokenizer, prompt)
         out = llm.generate([prompt], params)[0]
     except (ValueError, CheckpointError) as e:
         raise SystemExit(f"dspark-serve generate: error: {e}") from None
@@ -244,14 +224,15 @@ def _bench(args: argparse.Namespace) -> int:
     return loadgen(args, _client_access(args))
 
 
-def _chat_ids(target: str, tokenizer, text: str) -> list[int]:
-    """--chat in-process: the prompt as one user message, rendered with the target's chat template."""
+def _chat_ids(cfg, tokenizer, text: str) -> list[int]:
+    """--chat in-process: the prompt as one user message, rendered with the target's chat template (or
+    --chat-template's); cfg: the engine's EngineConfig."""
     from dspark_serve.models.chat_template import encode_chat, load_chat_template
 
     if tokenizer is None:
         raise ValueError("--chat needs a tokenizer next to the target")
-    return encode_chat(load_chat_template(target), tokenizer, [{"role": "user", "content": text}],
-                       add_generation_prompt=True)
+    return encode_chat(load_chat_template(cfg.target, cfg.chat_template), tokenizer,
+                       [{"role": "user", "content": text}], add_generation_prompt=True)
 
 
 def _prompt(args: argparse.Namespace) -> str | list[int] | list[dict]:
@@ -308,6 +289,8 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dspark_serve.engine.engine_config import add_engine_args
+
     parser = argparse.ArgumentParser(prog="dspark-serve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the demo pair (Qwen2.5-Coder-0.5B + the shipped DSpark drafter) behind the "
@@ -334,7 +317,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--server", help="HOST:PORT of a running dspark-serve (then --target/--draft are not used)")
     g.add_argument("--stream", action="store_true", help="print each verify step's text as it arrives")
     g.add_argument("--application", help="Ray Serve application name (when --server is Serve's gRPC proxy)")
-    g.add_argument("--draft", help="draft checkpoint directory (DeepSpec, z-lab DFlash, speculators or vLLM names)")
     g.add_argument("--prompt")
     g.add_argument("--prompt-ids", help="comma-separated token ids")
     g.add_argument("--chat", action="store_true",
@@ -345,28 +327,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--speculative-config", help='JSON, e.g. {"num_speculative_tokens": 7, "dspark_draft_topk": 64}')
-    g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default: the checkpoint's")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(g)  # in-process; with --server only --speculative-config's per-request fields are sent
     _add_client_access(g)
     g.set_defaults(func=_generate)
     s = sub.add_parser("serve", help="start the draft+verifier pair on Ray and the gRPC gateway",
                        formatter_class=DefaultsFormatter)
     s.add_argument("model", nargs="?", help="the target checkpoint directory (as `vllm serve MODEL`; or --target)")
     s.add_argument("--target", help="the target checkpoint directory")
-    s.add_argument("--draft", help="the draft checkpoint directory (or speculative_config's \"model\")")
-    s.add_argument("--speculative-config",
-                   help='JSON with vLLM\'s field names, e.g. {"model": DIR, "num_speculative_tokens": 7}')
+    add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
     s.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     s.add_argument("--address", help="join this Ray cluster (default: start Ray embedded)")
     s.add_argument("--num-cpus", type=int, help="CPUs of the embedded Ray")
     s.add_argument("--cpu-threads", type=int, default=0,
                    help="torch threads of each CPU actor (default 0: every CPU of its node; Ray alone would give 1)")
-    s.add_argument("--device", choices=["auto", "cpu", "cuda"], help="auto: one GPU per actor when there are GPUs")
-    s.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                   help="auto: the checkpoint's")
     s.add_argument("--placement", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
                    help="Ray placement strategy of the pair: PACK keeps it on one node when possible")
     s.add_argument("--channel-host", help="address the step channel binds (default: the verifier's node IP)")
@@ -380,16 +355,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between pings of an idle step channel, below --channel-timeout (default 20)")
     s.add_argument("--target-resources", help='custom Ray resources for the verifier, JSON, e.g. {"target_gpu": 1}')
     s.add_argument("--draft-resources", help='custom Ray resources for the draft, JSON, e.g. {"draft_gpu": 1}')
-    s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    s.add_argument("--num-kv-blocks", type=int, default=2048, help="KV-cache blocks of each model")
-    s.add_argument("--gpu-memory-utilization", type=float,
-                   help="on a GPU: as many KV blocks as fit in this share of its memory beside the weights and the "
-                        "CUDA graphs (vLLM's flag; co-located pairs); default: --num-kv-blocks")
-    s.add_argument("--max-num-seqs", type=int, default=64,
-                   help="requests decoded together at most (CUDA graphs are recorded up to this batch)")
-    s.add_argument("--max-model-len", type=int,
-                   help="longest prompt + output (default: the target's max_position_embeddings; larger is refused)")
-    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="queued + running requests before RESOURCE_EXHAUSTED")
     s.add_argument("--stream-messages-per-s", type=float, default=6000.0,
@@ -410,7 +375,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
                         "/v1/chat/completions, /health, /metrics) on this port, with the same keys; 0 picks a free one")
     s.add_argument("--served-model-name", help="the model name HTTP clients send (default: the target as given)")
-    s.add_argument("--chat-template", help="a Jinja chat template file for chat input, overriding the target's")
     s.add_argument("--health-port", type=int, help="also serve grpc.health.v1 alone on this port, in plaintext (for "
                                                    "Kubernetes gRPC probes, which speak no TLS)")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest Generate request (default 4 MiB)")

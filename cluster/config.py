@@ -1,25 +1,21 @@
-"""Configs of a deployment: the draft+verifier pair and the gateway (frozen dataclasses, plain types only)."""
+"""Configs of a deployment: the draft+verifier pair (its engine config and where its actors run) and the gateway
+(frozen dataclasses)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # not imported here: the gateway's modules import this one
+    from dspark_serve.engine.engine_config import EngineConfig
 
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass(frozen=True)
 class PairConfig:
-    target: str
-    draft: str | None = None
-    speculative_config: str | None = None  # JSON, vLLM field names
-    device: str = "auto"  # "auto": one GPU per actor when the cluster has GPUs, else CPU
-    dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None: the checkpoint's
-    block_size: int = 16
-    num_kv_blocks: int = 2048
-    gpu_memory_utilization: float | None = None  # on a GPU: size the KV cache from this share of its memory
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # None: the target's max_position_embeddings
-    enforce_eager: bool = False  # vLLM's name: True turns off the CUDA graphs (static-shape steps) on GPUs
+    engine: EngineConfig  # what both actors build their engine side from
     placement: str = "PACK"  # PACK: one node if possible; SPREAD: draft and verifier on different nodes
     colocate: bool | None = None  # the draft inside the verifier actor (no step channel, drafting ahead); None:
     # when the two would share one device (one GPU, or one node's CPUs), see pair.resolve_colocate
@@ -30,23 +26,40 @@ class PairConfig:
     cpu_threads: int = 0  # torch threads of each CPU actor; 0: every CPU of its node (actors take turns in a step)
     target_resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources steering the verifier
     draft_resources: tuple[tuple[str, float], ...] = ()
-    chat_template: str | None = None  # a Jinja file overriding the target's chat template; read by the verifier
 
     def validate(self) -> None:
+        self.engine.validate()
+        if self.engine.target is None:
+            raise ValueError("a pair needs the target checkpoint directory")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0 (0: all of the node's CPUs), got {self.cpu_threads}")
-        u = self.gpu_memory_utilization
-        if u is not None and not 0 < u <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u}")
         if not 0 < self.keepalive_s < self.channel_timeout_s:
             raise ValueError(f"keepalive_s must be in (0, channel_timeout_s = {self.channel_timeout_s}), "
                              f"got {self.keepalive_s}")
-        if self.dtype not in (None, "bfloat16", "float16", "float32"):
-            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+    @classmethod
+    def from_options(cls, engine: EngineConfig, options: Mapping[str, Any]) -> PairConfig:
+        """The deployment's fields by name (the CLI's and the Serve app's), None for a field: its default;
+        resources as a mapping or pairs. An unknown name is refused."""
+        known = {f.name for f in fields(cls)} - {"engine"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown pair options {unknown}; known: {sorted(known)}")
+        raw = {k: v for k, v in options.items() if v is not None}
+        for name in ("target_resources", "draft_resources"):
+            if name in raw:
+                raw[name] = resources(raw[name])
+        cfg = cls(engine, **raw)
+        cfg.validate()
+        return cfg
+
+
+def resources(value: Mapping[str, float] | tuple | list) -> tuple[tuple[str, float], ...]:
+    """Custom Ray resources as sorted (name, amount) pairs."""
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((str(k), float(v)) for k, v in items))
 
 
 @dataclass(frozen=True)

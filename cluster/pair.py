@@ -101,7 +101,7 @@ def resolve_colocate(cfg: PairConfig, plan: DevicePlan) -> bool:
     """An explicit choice stands. Otherwise co-locate when draft and verifier would share one device: a GPU each
     only splits them, and on CPUs only placement across nodes (SPREAD or custom resources) does. Sharing a
     device, separate actors just take turns on it and add the channel to every step."""
-    if cfg.colocate is not None or cfg.draft is None:
+    if cfg.colocate is not None or cfg.engine.draft is None:
         return bool(cfg.colocate)
     if plan.device == "cuda":
         return plan.gpus_per_actor < 1
@@ -118,11 +118,12 @@ def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
 
     cfg.validate()
     gpus = ray.cluster_resources().get("GPU", 0)
-    colocate = resolve_colocate(cfg, plan_devices(cfg.device, gpus, cfg.draft is not None))
-    split = cfg.draft is not None and not colocate  # a draft actor of its own
-    plan = plan_devices(cfg.device, gpus, split)
-    cfg = replace(cfg, device=plan.device, colocate=colocate)
-    if split and cfg.gpu_memory_utilization is not None:
+    engine = cfg.engine
+    colocate = resolve_colocate(cfg, plan_devices(engine.device, gpus, engine.draft is not None))
+    split = engine.draft is not None and not colocate  # a draft actor of its own
+    plan = plan_devices(engine.device, gpus, split)
+    cfg = replace(cfg, engine=replace(engine, device=plan.device), colocate=colocate)
+    if split and engine.gpu_memory_utilization is not None:
         raise ValueError("gpu_memory_utilization sizes one process's caches: with separate draft and verifier "
                          "actors give --num-kv-blocks (or co-locate them)")
     gpu = {"GPU": plan.gpus_per_actor} if plan.gpus_per_actor else {}

@@ -29,49 +29,39 @@ from .servicer import status
 BUILTIN_TINY = "builtin:tiny"  # a tiny constructed pair written at startup, with a byte-level tokenizer (laptop / CI)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def _resources(d: dict[str, float] | None) -> tuple[tuple[str, float], ...]:
-    return tuple(sorted((d or {}).items()))
+GATEWAY_OPTIONS = ("max_queue", "max_request_bytes", "served_model_name")  # the GatewayConfig fields it takes
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1000, health_check_period_s=10,
                   health_check_timeout_s=30)
 @serve.ingress()
 class DSpark:
-    def __init__(self, target: str, draft: str | None = None, speculative_config: str | dict | None = None,
-                 device: str = "auto", dtype: str | None = None, block_size: int = 16, num_kv_blocks: int = 2048,
-                 max_num_seqs: int = 64, max_model_len: int | None = None, placement: str = "PACK",
-                 target_resources: dict[str, float] | None = None, draft_resources: dict[str, float] | None = None,
-                 max_queue: int = 256, max_request_bytes: int = 4 << 20, channel_host: str | None = None,
-                 num_cpus: float = 1.0, colocate: bool | None = None, cpu_threads: int = 0,
-                 api_key: str | None = None, served_model_name: str | None = None,
-                 chat_template: str | None = None) -> None:
-        import json
-
+    def __init__(self, target: str, api_key: str | None = None, **options: Any) -> None:
+        """`options` (the config's `args:`): EngineConfig's fields (draft, speculative_config and kernel_config as
+        mappings or JSON, device, dtype, block_size, num_kv_blocks, ...), PairConfig's deployment fields
+        (placement, colocate, channel_host, num_cpus, cpu_threads, target_resources / draft_resources as mappings,
+        ...) and GATEWAY_OPTIONS; any other name is refused."""
         import ray
+
+        from dspark_serve.engine.engine_config import EngineConfig, split_options
 
         from .pair import create_pair
 
         log_requests_to_stderr()
-        served_model_name = served_model_name or target
+        engine_options, rest = split_options({**options, "target": target})
+        gateway_options = {k: rest.pop(k) for k in GATEWAY_OPTIONS if k in rest}
+        gateway_options["served_model_name"] = gateway_options.get("served_model_name") or target
         if target == BUILTIN_TINY:
             from dspark_serve.models.random_init import random_pair
 
             self._tmp = tempfile.TemporaryDirectory()
-            target, draft = map(str, random_pair(self._tmp.name, agree=0.005, block_size=6))
-            _write_tiny_tokenizer(target)
-        spec = json.dumps(speculative_config) if isinstance(speculative_config, dict) else speculative_config
-        self.pair_cfg = PairConfig(
-            target=target, draft=draft, speculative_config=spec, device=device, dtype=dtype, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_model_len=max_model_len, placement=placement,
-            channel_host=channel_host, num_cpus=num_cpus, colocate=colocate, cpu_threads=cpu_threads,
-            target_resources=_resources(target_resources),
-            draft_resources=_resources(draft_resources), chat_template=chat_template)
+            tiny_target, tiny_draft = map(str, random_pair(self._tmp.name, agree=0.005, block_size=6))
+            _write_tiny_tokenizer(tiny_target)
+            engine_options.update(target=tiny_target, draft=tiny_draft)
+        self.pair_cfg = PairConfig.from_options(EngineConfig.from_options(engine_options), rest)
         self.pair = create_pair(self.pair_cfg)
         info = ray.get(self.pair.verifier.model_info.remote())
-        self.gateway_cfg = GatewayConfig(max_queue=max_queue, max_request_bytes=max_request_bytes,
-                                         served_model_name=served_model_name)
+        self.gateway_cfg = GatewayConfig(**{k: v for k, v in gateway_options.items() if v is not None})
         self.core = GatewayCore(self.pair.verifier, info, self.gateway_cfg)
         self.core.metrics = ServingMetrics(RaySink(), self.core.served_model_name)
         self.access = _access(api_key)

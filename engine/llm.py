@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dspark_serve.kernels.config import install as install_kernels
 from dspark_serve.models.draft_loader import load_draft
 from dspark_serve.models.dspark import DSparkDraft
 from dspark_serve.models.qwen import QwenForCausalLM
@@ -23,6 +24,7 @@ from dspark_serve.models.tokenizer import load_tokenizer
 
 from .detokenize import TextStream, TokenText, text_stream
 from .draft_side import DraftSide
+from .engine_config import DEFAULT_NUM_KV_BLOCKS, EngineConfig
 from .kv_sizing import block_bytes, graph_reserve_bytes, kv_blocks_for_memory
 from .request import Request, RequestOutput, StepOutput
 from .sampling_params import SamplingParams
@@ -49,52 +51,80 @@ def context_limit(max_model_len: int | None, max_position: int, kv_tokens: int |
 class LLM:
     def __init__(self, target: str | Path | QwenForCausalLM, draft: str | Path | DSparkDraft | None = None,
                  speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None, *,
-                 dtype: torch.dtype | None = None, device: str | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_num_seqs: int = 64, max_model_len: int | None = None,
                  eos_token_ids: Sequence[int] | None = None, draft_side: Any = None,
-                 capture_layers: tuple[int, ...] = (), enforce_eager: bool | None = None,
-                 warmup: bool = True, tokenizer: str | Path | Any = None,
-                 gpu_memory_utilization: float | None = None) -> None:
-        """`draft_side` (with `capture_layers`) plugs in a draft living elsewhere, e.g. behind the step channel.
-        `max_model_len` (vLLM's name): the longest prompt + output, by default the target's
+                 capture_layers: tuple[int, ...] = (), tokenizer: str | Path | Any = None, **options: Any) -> None:
+        """vLLM's call: the target and draft as directories (or the models themselves), `speculative_config` and
+        the engine's options by EngineConfig's field names (dtype, device, block_size, num_kv_blocks,
+        gpu_memory_utilization, max_num_seqs, max_model_len, enforce_eager, warmup, kernels / kernel_config, ...);
+        they become one EngineConfig (`self.config`). The other keywords are from_config's."""
+        target_model = target if isinstance(target, QwenForCausalLM) else None
+        draft_model = draft if isinstance(draft, DSparkDraft) else None
+        tokenizer_dir = tokenizer if isinstance(tokenizer, (str, Path)) else None
+        cfg = EngineConfig.from_options({**options, "target": None if target_model is not None else target,
+                                         "draft": None if draft_model is not None else draft,
+                                         "speculative_config": speculative_config, "tokenizer": tokenizer_dir})
+        self._build(cfg, target_model, draft_model, draft_side, capture_layers,
+                    None if tokenizer_dir is not None else tokenizer, eos_token_ids)
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, *, target_model: QwenForCausalLM | None = None,
+                    draft_model: DSparkDraft | None = None, draft_side: Any = None,
+                    capture_layers: tuple[int, ...] = (), tokenizer: Any = None,
+                    eos_token_ids: Sequence[int] | None = None) -> LLM:
+        """The engine `cfg` describes, with what is not configuration: the models themselves (in place of
+        cfg.target / cfg.draft), `draft_side` (with `capture_layers`: the target layers whose features it takes)
+        for a draft living elsewhere, e.g. behind the step channel, a `tokenizers.Tokenizer`, the EOS ids of an
+        in-memory target."""
+        llm = cls.__new__(cls)
+        llm._build(cfg, target_model, draft_model, draft_side, capture_layers, tokenizer, eos_token_ids)
+        return llm
+
+    def _build(self, cfg: EngineConfig, target_model: QwenForCausalLM | None, draft_model: DSparkDraft | None,
+               draft_side: Any, capture_layers: tuple[int, ...], tokenizer: Any,
+               eos_token_ids: Sequence[int] | None) -> None:
+        """`max_model_len` (vLLM's name): the longest prompt + output, by default the target's
         max_position_embeddings. `num_kv_blocks` per model (default 2048), or on a GPU `gpu_memory_utilization`
         (vLLM's name): as many blocks as fit in that share of the GPU's memory beside the loaded weights and a
-        reserve for the CUDA graphs. `enforce_eager` (vLLM's name; default: True on CPU, False on CUDA): False runs decode/verify steps with
-        static shapes, captured as CUDA graphs on CUDA. `warmup`: record the graphs here (warm_up()) instead of
-        on the first requests that meet them. `tokenizer`: a directory, or a `tokenizers.Tokenizer`
-        (default: the target directory's)."""
-        spec = speculative_config if isinstance(speculative_config, SpeculativeConfig) else \
-            SpeculativeConfig.from_json(speculative_config)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        draft = draft if draft is not None else spec.model
+        reserve for the CUDA graphs. `enforce_eager` (vLLM's name; default: True on CPU, False on CUDA): False runs
+        decode/verify steps with static shapes, captured as CUDA graphs on CUDA. `warmup`: record the graphs here
+        (warm_up()) instead of on the first requests that meet them. The kernel choices (cfg.kernels, else the
+        device's defaults) are installed before any model is prepared."""
+        cfg.validate()
+        if target_model is None and cfg.target is None:
+            raise ValueError("give the target: a checkpoint directory (cfg.target) or the model (target_model)")
+        self.config = cfg
+        spec, device, dtype = cfg.speculative_config, cfg.resolved_device(), cfg.torch_dtype()
+        install_kernels(cfg.kernel_config(device))
         self.tokenizer = None
-        if isinstance(target, QwenForCausalLM):
-            target_model = target.to(device)
+        if target_model is not None:
+            target_model = target_model.to(device)
         else:
-            target_model = load_target(target, dtype=dtype, device=device)
-            if (Path(target) / "tokenizer.json").is_file() or (Path(target) / "vocab.json").is_file():
-                self.tokenizer = load_tokenizer(target)
-            eos_token_ids = eos_token_ids if eos_token_ids is not None else read_eos_token_ids(target)
+            target_model = load_target(cfg.target, dtype=dtype, device=device)
+            if (Path(cfg.target) / "tokenizer.json").is_file() or (Path(cfg.target) / "vocab.json").is_file():
+                self.tokenizer = load_tokenizer(cfg.target)
+            eos_token_ids = eos_token_ids if eos_token_ids is not None else read_eos_token_ids(cfg.target)
+        if cfg.tokenizer is not None:
+            self.tokenizer = load_tokenizer(cfg.tokenizer)
         if tokenizer is not None:
-            self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
-        draft_model = None
-        if draft is not None:
-            draft_model = draft if isinstance(draft, DSparkDraft) else load_draft(draft, target=target_model,
-                                                                                  dtype=dtype)
+            self.tokenizer = tokenizer
+        if draft_model is None and cfg.draft is not None:
+            draft_model = load_draft(cfg.draft, target=target_model, dtype=dtype)
+        if draft_model is not None:
             draft_model = draft_model.to(device)
+        block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
         capture = draft_model.config.target_layer_ids if draft_model is not None else capture_layers
         drafts = draft_model.config.num_speculative_tokens if draft_model is not None else \
             (draft_side.num_speculative_tokens if draft_side is not None else 0)
-        num_kv_blocks = self._kv_blocks(num_kv_blocks, gpu_memory_utilization, target_model, draft_model, block_size,
-                                        max_num_seqs, drafts)
+        num_kv_blocks = self._kv_blocks(cfg.num_kv_blocks, cfg.gpu_memory_utilization, target_model, draft_model,
+                                        block_size, max_num_seqs, drafts)
         self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture)
         draft_side = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size) \
             if draft_model is not None else draft_side
         lookahead = 1 + (max(draft_side.num_speculative_tokens, draft_side.query_len - 1) if draft_side else 0)
         self.spec = spec
-        self.max_model_len = context_limit(max_model_len, target_model.config.max_position,
+        self.max_model_len = context_limit(cfg.max_model_len, target_model.config.max_position,
                                            num_kv_blocks * block_size - lookahead)
-        if not (self.target.device.type != "cuda" if enforce_eager is None else enforce_eager):
+        if not (self.target.device.type != "cuda" if cfg.enforce_eager is None else cfg.enforce_eager):
             drafts = draft_side.num_speculative_tokens if draft_side is not None else 0
             self.target.use_static_shapes((1, 1 + drafts) if drafts else (1,), self.max_model_len)
             if isinstance(draft_side, DraftSide):
@@ -107,7 +137,7 @@ class LLM:
         self._streams: dict[str, tuple[list[int], TextStream, list[tuple] | None]] = {}
         self._queues: dict[str, asyncio.Queue] = {}  # generate_stream: request id -> its outputs
         self._loop_task: asyncio.Task | None = None
-        if warmup:
+        if cfg.warmup:
             self.warm_up()
         # Everything alive now (models, tokenizer, imported modules) leaves the cyclic collector's view, so that a
         # full collection during decoding does not walk it and stall a step.
@@ -118,9 +148,7 @@ class LLM:
     def _kv_blocks(num_kv_blocks: int | None, utilization: float | None, target: QwenForCausalLM,
                    draft: DSparkDraft | None, block_size: int, max_num_seqs: int, drafts: int) -> int:
         if utilization is None or target.lm_head.weight.device.type != "cuda":
-            return 2048 if num_kv_blocks is None else num_kv_blocks
-        if num_kv_blocks is not None:
-            raise ValueError("give num_kv_blocks or gpu_memory_utilization, not both")
+            return DEFAULT_NUM_KV_BLOCKS if num_kv_blocks is None else num_kv_blocks
         c, size = target.config, target.lm_head.weight.element_size()
         per_block = block_bytes(c.num_layers, c.num_kv_heads, c.head_dim, block_size, size)
         if draft is not None:  # in this process: its cache is on this GPU too

@@ -12,6 +12,7 @@ import torch
 
 from dspark_serve.actors.placement_env import set_cpu_threads
 from dspark_serve.cluster.config import PairConfig
+from dspark_serve.engine.engine_config import EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -57,4 +58,4 @@ def test_gpu_actor_threads_unchanged():
 
 def test_negative_cpu_threads_rejected():
     with pytest.raises(ValueError, match="cpu_threads must be >= 0"):
-        PairConfig(target="t", cpu_threads=-1).validate()
+        PairConfig(EngineConfig(target="t"), cpu_threads=-1).validate()

@@ -139,9 +139,11 @@ def test_a_failed_step_loop_ends_every_open_stream_at_once(pair_dirs, monkeypatc
     from dspark_serve.actors.verifier_actor import VerifierActor
     from dspark_serve.cluster.config import GatewayConfig, PairConfig
     from dspark_serve.cluster.server import GatewayServer
+    from dspark_serve.engine.engine_config import EngineConfig
 
-    actor = VerifierActor(PairConfig(target=str(pair_dirs[0]), draft=str(pair_dirs[1]), device="cpu",
-                                     colocate=True, channel_host="127.0.0.1", num_kv_blocks=256, block_size=8))
+    actor = VerifierActor(PairConfig(EngineConfig(target=str(pair_dirs[0]), draft=str(pair_dirs[1]), device="cpu",
+                                                  num_kv_blocks=256, block_size=8),
+                                     colocate=True, channel_host="127.0.0.1"))
     actor.start()
     step = actor.llm.scheduler.step
     calls = {"n": 0}
@@ -197,9 +199,11 @@ def test_a_failed_step_loop_ends_every_open_stream_at_once(pair_dirs, monkeypatc
 def test_the_step_loop_reports_its_failure_on_the_request_stream(pair_dirs, monkeypatch):
     from dspark_serve.actors.verifier_actor import VerifierActor
     from dspark_serve.cluster.config import PairConfig
+    from dspark_serve.engine.engine_config import EngineConfig
 
-    actor = VerifierActor(PairConfig(target=str(pair_dirs[0]), draft=str(pair_dirs[1]), device="cpu",
-                                     colocate=True, channel_host="127.0.0.1", num_kv_blocks=256, block_size=8))
+    actor = VerifierActor(PairConfig(EngineConfig(target=str(pair_dirs[0]), draft=str(pair_dirs[1]), device="cpu",
+                                                  num_kv_blocks=256, block_size=8),
+                                     colocate=True, channel_host="127.0.0.1"))
     actor.start()
     monkeypatch.setattr(actor.llm.scheduler, "step", lambda: (_ for _ in ()).throw(RuntimeError("injected")))
     client = SyncStreamClient(*actor.stream_address())

@@ -348,6 +348,7 @@ def test_serve_flags_reach_the_configs_and_the_verifier(monkeypatch, pair_dirs, 
     from dspark_serve.actors.verifier_actor import VerifierActor
     from dspark_serve.cluster import cli, service
     from dspark_serve.cluster.config import PairConfig
+    from dspark_serve.engine.engine_config import EngineConfig
 
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[0]['content'] }}!")
@@ -355,11 +356,12 @@ def test_serve_flags_reach_the_configs_and_the_verifier(monkeypatch, pair_dirs, 
     monkeypatch.setattr(service, "run", lambda pair, gateway, address, num_cpus: seen.update(pair=pair, gw=gateway))
     cli.main(["serve", str(pair_dirs[0]), "--http-port", "8123", "--served-model-name", "m", "--chat-template",
               str(path)])
-    assert (seen["pair"].chat_template, seen["gw"].http_port, seen["gw"].served_model_name) == (str(path), 8123, "m")
+    assert (seen["pair"].engine.chat_template, seen["gw"].http_port, seen["gw"].served_model_name) == \
+        (str(path), 8123, "m")
     for file, expected in ((str(path), "{{ messages[0]['content'] }}!"), (None, TEMPLATE)):
-        actor = SimpleNamespace(cfg=PairConfig(target=str(pair_dirs[0]), chat_template=file))
+        actor = SimpleNamespace(cfg=PairConfig(EngineConfig(target=str(pair_dirs[0]), chat_template=file)))
         assert VerifierActor.chat_template(actor).template == expected
-    assert VerifierActor.chat_template(SimpleNamespace(cfg=PairConfig(target=str(tmp_path)))) is None
+    assert VerifierActor.chat_template(SimpleNamespace(cfg=PairConfig(EngineConfig(target=str(tmp_path))))) is None
 
 
 def test_a_failing_chat_template_is_the_clients_error_without_the_servers_paths():

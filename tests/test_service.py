@@ -263,8 +263,9 @@ def test_device_plan(device, gpus, draft, expected):
 def test_default_placement(colocate, device, gpus, placement, resources, expected):
     from dspark_serve.cluster.config import PairConfig
     from dspark_serve.cluster.pair import plan_devices, resolve_colocate
+    from dspark_serve.engine.engine_config import EngineConfig
 
-    cfg = PairConfig(target="t", draft="d", device=device, placement=placement, colocate=colocate,
+    cfg = PairConfig(EngineConfig(target="t", draft="d", device=device), placement=placement, colocate=colocate,
                      draft_resources=resources)
     assert resolve_colocate(cfg, plan_devices(device, gpus, True)) is expected
 

@@ -36,6 +36,7 @@ def test_pair_on_two_nodes_survives_losing_the_draft_node(tmp_path):
     from ray.cluster_utils import Cluster
 
     from dspark_serve.cluster.config import PairConfig
+    from dspark_serve.engine.engine_config import EngineConfig
     from dspark_serve.cluster.pair import create_pair
     from dspark_serve.cluster.supervisor import PairSupervisor
 
@@ -48,7 +49,8 @@ def test_pair_on_two_nodes_survives_losing_the_draft_node(tmp_path):
     ray.init(address=cluster.address, log_to_driver=False)
     loop = asyncio.new_event_loop()
     try:
-        cfg = PairConfig(target=str(target), draft=str(draft), device="cpu", block_size=8, num_kv_blocks=512,
+        cfg = PairConfig(EngineConfig(target=str(target), draft=str(draft), device="cpu", block_size=8,
+                                      num_kv_blocks=512),
                          target_resources=(("target_node", 1.0),), draft_resources=(("draft_node", 1.0),),
                          channel_timeout_s=10.0, keepalive_s=2.0, cpu_threads=1)
         pair = create_pair(cfg)

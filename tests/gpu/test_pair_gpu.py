@@ -9,6 +9,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two
 
 def test_pair_on_two_gpus_equals_local_engine(tmp_path):
     from dspark_serve.cluster.config import PairConfig
+    from dspark_serve.engine.engine_config import EngineConfig
     from dspark_serve.cluster.pair import create_pair
     from dspark_serve.engine.llm import LLM
     from dspark_serve.engine.sampling_params import SamplingParams
@@ -17,8 +18,8 @@ def test_pair_on_two_gpus_equals_local_engine(tmp_path):
     target, draft = random_pair(tmp_path, agree=0.002, block_size=6)
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
-        pair = create_pair(PairConfig(target=str(target), draft=str(draft), device="cuda", num_kv_blocks=256,
-                                      block_size=8))
+        pair = create_pair(PairConfig(EngineConfig(target=str(target), draft=str(draft), device="cuda",
+                                                   num_kv_blocks=256, block_size=8)))
         assert pair.backend == "nccl"
         local = LLM(str(target), str(draft), device="cuda", block_size=8, num_kv_blocks=256)
         client = pair.stream_client()
