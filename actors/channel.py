@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dspark_serve.engine.draft_side import DraftInput, DraftProposal
+from dspark_serve.engine.drafter import DraftInput, DraftProposal
 
 HEADER = 8  # int64 words: [op, a, b, c, d, e, f, total bytes]
 OP_PROPOSE, OP_STOP, OP_PING = 1, 2, 3

@@ -18,7 +18,7 @@ import ray
 import torch
 
 from dspark_serve.actors.channel import DraftEnd, VerifierEnd, free_port
-from dspark_serve.engine.draft_side import DraftInput, DraftProposal
+from dspark_serve.engine.drafter import DraftInput, DraftProposal
 
 CTX_DIM, N, VOCAB = 5 * 4096, 7, 151936
 CASES = [  # (name, requests, new tokens per request, q candidates per position: 0 = greedy, no q)

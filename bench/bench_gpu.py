@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from dspark_serve.engine.draft_side import DraftInput, DraftSide
+from dspark_serve.engine.draft_side import DraftSide
+from dspark_serve.engine.drafter import DraftInput
 from dspark_serve.engine.request import Request
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.engine.spec_config import SpeculativeConfig

@@ -246,9 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "torch": torch.__version__, "tokens": args.tokens, "speculative_config": args.speculative_config,
                     "dense_min_rows": draft_side.DENSE_NVFP4_MIN_ROWS}
     for name, llm in (("plain", plain), ("spec", spec)):
-        llm.target.step_ahead = False  # the same run without launching the next step ahead, for the ratio
+        llm.scheduler.pipeline.step_ahead = False  # the same run without launching the next step ahead, for the ratio
         ms_alone, _ = ms_per_step(llm, prompt, args.tokens)
-        llm.target.step_ahead = args.device == "cuda"
+        llm.scheduler.pipeline.step_ahead = args.device == "cuda"
         pauses: list[float] = []
         ms, steps = ms_per_step(llm, prompt, args.tokens, pauses)
         result[name] = {"ms_per_step": ms, "ms_per_step_without_step_ahead": ms_alone, "steps": steps,
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
             result[name]["draft_graphs"] = graph_costs(llm.draft.graphs._runners, args.device)
             chain = {False: [], True: []}  # the draft chained behind the verify launched ahead, off / on, alternated
             for on in (False, True, False, True):
-                llm.draft.chain_ahead = on and args.device == "cuda"
+                llm.scheduler.pipeline.chain_ahead = on and args.device == "cuda"
                 chain[on].append(ms_per_step(llm, prompt, args.tokens)[0])
             result[name]["ms_per_step_chain_off_on"] = [chain[False], chain[True]]
         result[name]["host_profile"] = host_profile(llm, prompt, args.tokens, args.top, args.sort)

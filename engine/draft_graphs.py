@@ -12,22 +12,38 @@ sets on the device (engine/draft_chain.py). On CPU the static path runs eagerly.
 from __future__ import annotations
 
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
 from dspark_serve.kernels.attention import AttentionMetadata
+from dspark_serve.models.dspark import DSparkDraft
 
 from .cuda_graphs import WARM_CONTEXT, GraphBuckets, Staging, _bucket, capture_on_padding
+from .drafter import DraftProposal
 from .kv_cache import slots_of
 
-if TYPE_CHECKING:
-    from .draft_side import DraftProposal, DraftSide
+
+class GraphedDraft(Protocol):
+    """What the graphs read of the draft they record (engine/draft_side.py's DraftSide): its model and cache, the
+    block shape, and the Markov walk that turns the block's hidden states into a proposal."""
+
+    model: DSparkDraft
+    cache: Tensor  # [num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]
+    block_size: int
+    device: torch.device
+    num_speculative_tokens: int
+
+    @property
+    def query_len(self) -> int: ...
+
+    def markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
+                    anchor_pos: Tensor, need_q: bool) -> DraftProposal: ...
 
 
 class DraftGraphs:
-    def __init__(self, side: "DraftSide", trash_slot: int, max_model_len: int, buckets: GraphBuckets = GraphBuckets(),
+    def __init__(self, side: GraphedDraft, trash_slot: int, max_model_len: int, buckets: GraphBuckets = GraphBuckets(),
                  capture_graphs: bool | None = None) -> None:
         self.side, self.trash = side, trash_slot
         self.bs, self.ql = side.block_size, side.query_len
@@ -43,7 +59,7 @@ class DraftGraphs:
                                  device=self.device)
         self.temps = Staging(b, torch.float32, self.device)  # per-row temperature, 0 on padded rows
         self.dev = self.ints.dev
-        self._runners: dict[tuple[int, int, bool], Callable[[], "DraftProposal"]] = {}
+        self._runners: dict[tuple[int, int, bool], Callable[[], DraftProposal]] = {}
         self._pool = None
 
     def fits_context(self, rows: int, shape: tuple[int, int]) -> bool:
@@ -57,7 +73,7 @@ class DraftGraphs:
     @torch.inference_mode()
     def propose(self, anchors: list[int], anchor_pos: list[int], tables: list[list[int]], temperature: Tensor,
                 seeds: list[int], need_q: bool, shape: tuple[int, int], features: Tensor | None = None,
-                context: tuple[list[list[int]], list[int], list[int]] = ([], [], [])) -> "DraftProposal":
+                context: tuple[list[list[int]], list[int], list[int]] = ([], [], [])) -> DraftProposal:
         """The proposal for len(anchors) requests; its tensors are valid until the next propose. `features`
         [sum(lens), F] are the new context rows of (block tables, starts, lens) in `context`
         (fits_context(sum(lens), shape) must hold)."""
@@ -72,7 +88,7 @@ class DraftGraphs:
     @torch.inference_mode()
     def propose_chained(self, packed: Tensor, anchor_pos: list[int], n: list[int], tables: list[list[int]],
                         temperature: Tensor, seeds: list[int], need_q: bool, shape: tuple[int, int],
-                        feats: list[Tensor]) -> "DraftProposal":
+                        feats: list[Tensor]) -> DraftProposal:
         """The proposal of the step after a verify still on the device: packed [R, 1 + W] is its accept (accepted
         count a, then the output tokens), read there. Request r's anchor becomes its output token a at
         anchor_pos[r] + a + 1; its context is that verify's n[r] + 1 feature rows feats[r] at anchor_pos[r].. (the
@@ -104,7 +120,7 @@ class DraftGraphs:
             self._runners[key] = self._build(*key)
         return len(keys)
 
-    def _run(self, b: int, c: int, need_q: bool, r: int) -> "DraftProposal":
+    def _run(self, b: int, c: int, need_q: bool, r: int) -> DraftProposal:
         """The bucket's graph (built on first use) on the staged inputs -> the proposal of its first r rows."""
         key = (b, c, need_q)
         if key not in self._runners:
@@ -149,7 +165,7 @@ class DraftGraphs:
         return list(anchors) + [0] * pad + list(anchor_pos) + [0] * pad + list(seeds) + [0] * pad + seq + pos \
             + slots + ctx_pos + ctx_slots + table
 
-    def _build(self, b: int, c: int, need_q: bool) -> Callable[[], "DraftProposal"]:
+    def _build(self, b: int, c: int, need_q: bool) -> Callable[[], DraftProposal]:
         side, ql, w = self.side, self.ql, c // self.bs
         m, cfg, n = side.model, side.model.config, side.num_speculative_tokens
         d = self.dev
@@ -164,12 +180,12 @@ class DraftGraphs:
                                  causal=False, all_slots_valid=True)
         temperature, first = self.temps.dev[:b], 0 if cfg.anchor_first else 1
 
-        def forward() -> "DraftProposal":
+        def forward() -> DraftProposal:
             m.write_context(feats, ctx_pos, ctx_slots, side.cache, all_slots_valid=True)  # padding: trash slot
             ids = torch.full((b, ql), cfg.mask_token_id, dtype=torch.int64, device=self.device)
             ids[:, 0] = anchors
             hidden = m.block_hidden(ids.flatten(), pos, meta, side.cache).view(b, ql, -1)[:, first:first + n]
-            return side._markov_walk(hidden, m.base_logits(hidden), anchors, temperature, seeds, anchor_pos, need_q)
+            return side.markov_walk(hidden, m.base_logits(hidden), anchors, temperature, seeds, anchor_pos, need_q)
         if not self.capture:
             return forward
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -15,52 +13,14 @@ from dspark_serve.models.nvfp4_linear import NVFP4Linear, keep_dense_up_to
 from dspark_serve.models.token_map import load_token_map, restrict_draft_vocab
 
 from .draft_graphs import DraftGraphs
+from .drafter import DraftInput, DraftProposal
 from .kv_cache import BlockAllocator, batch_metadata, positions_of
-from .request import Request
 from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
 
 DENSE_NVFP4_MAX_BYTES = 512 << 20  # NVFP4 drafts whose bf16 copies fit keep them (NVFP4Linear.keep_dense) ...
 DENSE_NVFP4_MAX_FRACTION = 0.02  # ... or fit in this share of the GPU's memory (an 8B draft's 1.2 GB on an H200)
 DENSE_NVFP4_MIN_ROWS = 17  # ... and use them from this many rows on (measured: the GEMV wins at the draft's 7)
-
-
-class DraftUnavailable(RuntimeError):
-    """The draft cannot answer (its process or device is gone): the step is redone as plain decoding."""
-
-
-@dataclass(frozen=True)
-class DraftInput:
-    """Everything the draft needs for one step; it is also what crosses the step channel to a remote draft."""
-
-    anchors: Tensor  # [R] int64, the last committed token of each request
-    anchor_pos: Tensor  # [R] int64, its position (the block occupies anchor_pos .. anchor_pos + query_len - 1)
-    ctx_start: Tensor  # [R] int64, first position whose context K/V the draft has not written yet
-    ctx_len: Tensor  # [R] int64, new context rows per request
-    features: Tensor | None  # [sum(ctx_len), len(target_layer_ids) * target_hidden] target features
-    block_table: Tensor  # [R, max_blocks] int64, the draft cache blocks of each request
-    temperature: Tensor  # [R] fp32 (0 = greedy)
-    seeds: Tensor  # [R] int64
-
-
-def draft_input(reqs: list[Request], anchors: list[int] | None = None,
-                anchor_pos: list[int] | None = None) -> DraftInput:
-    """Collect the step's draft input (host tensors, except the features) and mark the pending features as
-    handed over. `anchors` / `anchor_pos` override the requests' own (drafting ahead of the commit)."""
-    width = max(len(r.draft_blocks) for r in reqs)
-    feats = [f for r in reqs for f in r.pending_features]
-    ints = torch.tensor([[r.anchor for r in reqs] if anchors is None else anchors,
-                         [r.anchor_pos for r in reqs] if anchor_pos is None else anchor_pos,
-                         [r.draft_context_len for r in reqs], [r.num_computed - r.draft_context_len for r in reqs],
-                         [r.seed for r in reqs]], dtype=torch.int64)  # [5, R]
-    inp = DraftInput(
-        anchors=ints[0], anchor_pos=ints[1], ctx_start=ints[2], ctx_len=ints[3],
-        features=torch.cat(feats) if len(feats) > 1 else (feats[0] if feats else None),
-        block_table=torch.tensor([r.draft_blocks + [0] * (width - len(r.draft_blocks)) for r in reqs]),
-        temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32), seeds=ints[4])
-    for r in reqs:
-        r.draft_context_len, r.pending_features = r.num_computed, []
-    return inp
 
 
 def quantize_lm_head(model: DSparkDraft, spec: SpeculativeConfig) -> bool:
@@ -75,23 +35,6 @@ def _walk_fn(t: Tensor):
         from dspark_serve.kernels.markov_walk import markov_walk
         return markov_walk
     return markov_walk_ref
-
-
-@dataclass(frozen=True)
-class DraftProposal:
-    tokens: Tensor  # [R, N] int64, target-vocab ids
-    probs: Tensor | None  # [R, N, V_target] q each token was drawn from (None when every row is greedy)
-    confidence_logits: Tensor | None  # [R, N] fp32, conditional acceptance logits (None without the head)
-    transfer_ms: float = 0.0  # step-channel time of a remote draft (wall time minus the draft's compute)
-    cand_ids: Tensor | None = None  # [R, N, K] target ids: with top-k drafting q lives on these candidates only
-    cand_probs: Tensor | None = None  # [R, N, K] q on them (`probs` is then None)
-
-    def dense_probs(self, vocab_size: int) -> Tensor | None:
-        """q as [R, N, V_target] (zero outside the candidates), or None when every row is greedy."""
-        if self.cand_ids is None:
-            return self.probs
-        shape = (*self.cand_ids.shape[:2], vocab_size)
-        return torch.zeros(shape, device=self.cand_ids.device).scatter_(-1, self.cand_ids, self.cand_probs)
 
 
 class DraftSide:
@@ -122,13 +65,6 @@ class DraftSide:
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded rows
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: DraftGraphs | None = None
-        # Draft the next step right after this step's accept (before the bookkeeping), so the host work between
-        # steps overlaps the draft on the device; the next step takes it if its batch is the one predicted.
-        self.draft_ahead = self.device.type == "cuda"
-        # ... and with graphs, the one after the step launched ahead is queued behind it (engine/draft_chain.py)
-        self.chain_ahead = self.device.type == "cuda"
-        self.chained: tuple[Tensor, DraftProposal] | None = None
-        self.ahead: tuple[list[tuple[Request, int, int]], DraftProposal] | None = None
         self._scatter_cols = torch.arange(cfg.draft_vocab_size, device=self.device) + model.d2t.to(self.device)
         self._w2_nvfp4 = model.markov_head is not None and isinstance(model.markov_head.markov_w2, NVFP4Linear)
         self._reduced_vocab = bool(model.d2t.any())
@@ -146,6 +82,11 @@ class DraftSide:
     @property
     def query_len(self) -> int:
         return self.model.config.query_len
+
+    @property
+    def can_chain(self) -> bool:
+        """With static shapes a draft can be queued behind a verify on the device (engine/draft_chain.py)."""
+        return self.graphs is not None
 
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> DraftProposal:
@@ -174,7 +115,7 @@ class DraftSide:
         first = 0 if cfg.anchor_first else 1
         hidden = hidden[:, first:first + n]  # [R, N, H]: row k drafts position anchor_pos + 1 + k
         base = m.base_logits(hidden)  # [R, N, V_draft]
-        return self._markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
+        return self.markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
                                  inp.anchor_pos.to(dev), need_q)
 
     def propose_chained(self, packed: Tensor, anchor_pos: list[int], n: list[int], tables: list[list[int]],
@@ -194,7 +135,7 @@ class DraftSide:
         pos = positions_of(starts, lens, self.device)
         self.model.write_context(features.to(self.device), pos, meta.slot_mapping, self.cache, meta.all_slots_valid)
 
-    def _markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
+    def markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
                      anchor_pos: Tensor, need_q: bool) -> DraftProposal:
         """need_q: some row samples (then q is returned for every row; greedy rows get one-hot q)."""
         m = self.model

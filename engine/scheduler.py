@@ -7,12 +7,13 @@ import time
 from collections import deque
 import torch
 
-from .draft_side import DraftSide, DraftUnavailable
+from .drafter import Drafter, DraftUnavailable
 from .logits_processing import process_logits, step_logprobs
 from .rejection import verify_mixed
 from .request import FinishReason, Request, StepOutput
 from .spec_config import SpeculativeConfig
 from .spec_step import sampling_tensors, spec_step, verify_hints
+from .step_pipeline import StepPipeline
 from .target_side import TargetSide
 
 
@@ -20,9 +21,10 @@ class Scheduler:
     """add/abort may be called from any thread while another runs step(): they land in an inbox that step()
     applies before its work, so neither waits for a step."""
 
-    def __init__(self, target: TargetSide, draft: DraftSide | None, spec: SpeculativeConfig, *,
+    def __init__(self, target: TargetSide, draft: Drafter | None, spec: SpeculativeConfig, *,
                  max_num_seqs: int = 64, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.target, self.draft, self.spec = target, draft, spec
+        self.pipeline = StepPipeline(target.device, draft)  # what each step launches ahead for the next
         self.max_num_seqs, self.eos_token_ids = max_num_seqs, frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -121,20 +123,20 @@ class Scheduler:
                 self.running = [r for r in self.running if not r.is_finished]
             return outputs
 
-    def set_draft(self, draft: DraftSide | None) -> None:
+    def set_draft(self, draft: Drafter | None) -> None:
         """Swap the draft between steps (None: plain decoding). Requests already queued or running decode plainly
         from here on: a new draft has none of their context."""
         with self._lock:
             self._drop_draft(draft)
 
-    def _drop_draft(self, draft: DraftSide | None) -> None:
+    def _drop_draft(self, draft: Drafter | None) -> None:
         with self._inbox_lock:
             reqs = list(self.waiting) + self.running + self._adds
         for r in reqs:
             r.draft_blocks, r.pending_features, r.draft_context_len, r.last_survival = [], [], 0, None
             r.num_speculative_tokens = 0
         self.draft = draft
-        self.target.ahead = None
+        self.pipeline.use_draft(draft)
 
     def _pools(self) -> list:
         return [self.target.allocator] + ([self.draft.allocator] if self.draft is not None else [])
@@ -212,7 +214,7 @@ class Scheduler:
         return outputs
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
-        result = spec_step(self.target, self.draft, reqs, self.spec)
+        result = spec_step(self.target, self.draft, reqs, self.spec, self.pipeline)
         return [self._emit(r, toks, lps) for r, toks, lps in zip(reqs, result.new_tokens, result.logprobs)]
 
     def _emit(self, req: Request, tokens: list[int], logprobs: list[tuple] | None = None) -> StepOutput:

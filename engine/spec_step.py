@@ -1,4 +1,5 @@
-"""The speculative step, written once: propose -> choose how much to verify (verify_budget.py) -> verify -> commit."""
+"""The speculative step, written once: propose -> choose how much to verify (verify_budget.py) -> verify -> commit;
+then the next step is launched ahead into the scheduler's StepPipeline (engine/step_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from .draft_chain import chain_draft, take_chained
-from .draft_side import DraftProposal, DraftSide, draft_input
+from .drafter import DraftProposal, Drafter, draft_input
 from .logits_processing import StepLogprobs, process_logits, step_logprobs
 from .rejection import verify_greedy, verify_mixed
 from .request import Request
 from .spec_config import SpeculativeConfig
+from .step_pipeline import Launched, StepPipeline
 from .target_side import TargetSide
 from .verify_budget import num_to_verify, reads_confidences, wanted
 
@@ -26,24 +27,6 @@ class StepResult:
     num_accepted: list[int]
     num_drafted: list[int]
     logprobs: list[list[tuple] | None] | None = None  # per request, per new token (requests asking only)
-
-
-@dataclass(frozen=True)
-class Launched:
-    """A step queued on the device whose accept counts the host has not read yet (finishing it is the one sync)."""
-
-    reqs: list[Request]
-    proposal: DraftProposal | None
-    n: list[int]  # drafts verified per request
-    feats: list[Tensor | None]  # per request: target features of its anchor and verified drafts
-    packed: Tensor  # [R, 1 + W] int64 on the device: accepted count, then the output tokens (-1 padded)
-    draft_ms: float
-    launched_at: float  # perf_counter once the draft was in hand
-    key: list[tuple] = ()  # launched ahead: per request the (anchor_pos, num_computed, anchor) it assumed
-    host: Tensor | None = None  # on CUDA: `packed` copied to pinned memory as the accept ends ...
-    ready: torch.cuda.Event | None = None  # ... and its event, so that reading it waits for nothing queued later
-    logprobs: StepLogprobs | None = None  # of the output tokens, for the rows that asked
-    logprobs_host: Tensor | None = None  # on CUDA: its values in pinned memory, copied before `ready`
 
 
 def _region(name: str):
@@ -79,44 +62,47 @@ def verify_hints(reqs: list[Request]) -> dict:
 
 
 @torch.inference_mode()
-def spec_step(target: TargetSide, draft: DraftSide | None, reqs: list[Request], spec: SpeculativeConfig) -> StepResult:
+def spec_step(target: TargetSide, draft: Drafter | None, reqs: list[Request], spec: SpeculativeConfig,
+              pipeline: StepPipeline) -> StepResult:
     """One verify step for every running request; plain decoding when `draft` is None or nothing is drafted.
-    Rows the previous step launched ahead are finished as they are; the other requests are launched now."""
+    Rows the previous step launched ahead (in `pipeline`) are finished as they are; the other requests are launched
+    now. Before returning, the next step's draft and verify are launched ahead into `pipeline` where it is on."""
     max_drafts = draft.num_speculative_tokens if draft is not None else 0
-    ahead, rows = _take_ahead(target, reqs)
+    ahead, rows = pipeline.take_launched(reqs)
     rest = [r for r in reqs if r not in rows]
-    fresh = _launch(target, draft, rest, spec) if rest else None  # queued behind the rows launched ahead
+    fresh = _launch(target, draft, rest, spec, pipeline) if rest else None  # queued behind the rows launched ahead
     done: dict[Request, tuple[list[int], int, int, list[tuple] | None]] = {}
     if ahead is not None:
         done.update(_finish(ahead, sorted(rows.values()), max_drafts))
     if fresh is not None:
         done.update(_finish(fresh, range(len(rest)), max_drafts))
     new_tokens = [done[r][0] for r in reqs]
-    if getattr(draft, "draft_ahead", False):
-        chained = take_chained(draft, ahead, rows, reqs)
+    if draft is not None and pipeline.draft_ahead:
+        chained = pipeline.take_chained(ahead, rows, reqs)
         if chained is not None:  # queued on the device behind the verify just read
-            draft.ahead = (_ahead_key(reqs, _next_pos(reqs, new_tokens)), chained)
+            pipeline.keep_drafted(reqs, _next_pos(reqs, new_tokens), chained)
         else:
-            _draft_ahead(draft, reqs, new_tokens, max_drafts)
-    if getattr(target, "step_ahead", False):
-        _step_ahead(target, draft, reqs, new_tokens, spec, max_drafts)
+            _draft_ahead(pipeline, draft, reqs, new_tokens, max_drafts)
+    if pipeline.step_ahead:
+        _step_ahead(pipeline, target, draft, reqs, new_tokens, spec, max_drafts)
     return StepResult(new_tokens, [done[r][1] for r in reqs], [done[r][2] for r in reqs], [done[r][3] for r in reqs])
 
 
-def _launch(target: TargetSide, draft: DraftSide | None, reqs: list[Request], spec: SpeculativeConfig,
-            proposal: DraftProposal | None = None, anchors: list[int] | None = None,
+def _launch(target: TargetSide, draft: Drafter | None, reqs: list[Request], spec: SpeculativeConfig,
+            pipeline: StepPipeline, proposal: DraftProposal | None = None, anchors: list[int] | None = None,
             anchor_pos: list[int] | None = None, remaining: list[int] | None = None,
             pending: list[list[int]] | None = None) -> Launched:
-    """Draft (or take `proposal`, or the draft launched ahead), choose n, queue the verify and the accept; on the
-    static path nothing here waits for the device. anchors / anchor_pos / remaining override the requests' own,
-    and pending are the tokens committed before them (the next step, launched before this one's tokens are
-    appended). Rows with penalties or min_tokens are verified on their processed logits, never in the graph."""
+    """Draft (or take `proposal`, or the draft made ahead in `pipeline`), choose n, queue the verify and the
+    accept; on the static path nothing here waits for the device. anchors / anchor_pos / remaining override the
+    requests' own, and pending are the tokens committed before them (the next step, launched before this one's
+    tokens are appended). Rows with penalties or min_tokens are verified on their processed logits, never in the
+    graph."""
     dev = target.device
     max_drafts = draft.num_speculative_tokens if draft is not None else 0
     t0 = time.perf_counter()
     with _region("dspark.draft"):  # the regions bench/bench_pair.py --profile reports
         if proposal is None and draft is not None and any(wanted(reqs, max_drafts, remaining)):
-            proposal = _drafted_ahead(draft, reqs) or draft.propose(draft_input(reqs, anchors, anchor_pos))
+            proposal = pipeline.take_drafted(reqs) or draft.propose(draft_input(reqs, anchors, anchor_pos))
     t1 = time.perf_counter()
     n = num_to_verify(reqs, proposal, spec, max_drafts, remaining) if proposal is not None else [0] * len(reqs)
     drafts = proposal.tokens.to(dev) if proposal is not None else None
@@ -187,14 +173,14 @@ def _finish(launched: Launched, rows, max_drafts: int) -> dict[Request, tuple[li
     return out
 
 
-def _step_ahead(target: TargetSide, draft: DraftSide | None, reqs: list[Request], new_tokens: list[list[int]],
-                spec: SpeculativeConfig, max_drafts: int) -> None:
-    """Launch the next step's verify and accept now, from the tokens this step commits, so that the host's
-    bookkeeping of this step (emitting tokens, stop checks, the scheduler) overlaps the device. A request's row is
-    taken by the next step if it still decodes from the predicted state; otherwise (a stop, an abort, a
-    preemption) the row is dropped, and what it wrote to the caches lies past the committed length (scratch).
-    Not when choosing n needs this draft's confidences on the host, nor without the draft launched ahead."""
-    target.ahead = None
+def _step_ahead(pipeline: StepPipeline, target: TargetSide, draft: Drafter | None, reqs: list[Request],
+                new_tokens: list[list[int]], spec: SpeculativeConfig, max_drafts: int) -> None:
+    """Launch the next step's verify and accept now (pipeline.launched), from the tokens this step commits, so
+    that the host's bookkeeping of this step (emitting tokens, stop checks, the scheduler) overlaps the device. A
+    request's row is taken by the next step if it still decodes from the predicted state; otherwise (a stop, an
+    abort, a preemption) the row is dropped, and what it wrote to the caches lies past the committed length
+    (scratch). Not when choosing n needs this draft's confidences on the host, nor without the draft made ahead."""
+    pipeline.launched = None
     remaining = [r.remaining - len(t) for r, t in zip(reqs, new_tokens)]
     if max(remaining) <= 0:
         return
@@ -206,36 +192,25 @@ def _step_ahead(target: TargetSide, draft: DraftSide | None, reqs: list[Request]
         return
     proposal = None
     if draft is not None and any(want):
-        proposal = _drafted_ahead(draft, reqs, pos)
+        proposal = pipeline.take_drafted(reqs, pos)
         if proposal is None:
             return
     for r, k in zip(reqs, need):
         r.target_blocks.extend(pool.allocate_blocks(k) if k else [])
     anchors = [t[-1] for t in new_tokens]
-    launched = _launch(target, draft, reqs, spec, proposal, anchors, pos, remaining, new_tokens)
-    target.ahead = replace(launched, key=[(p, r.num_computed, a) for r, p, a in zip(reqs, pos, anchors)])
+    launched = _launch(target, draft, reqs, spec, pipeline, proposal, anchors, pos, remaining, new_tokens)
+    pipeline.launched = replace(launched, key=[(p, r.num_computed, a) for r, p, a in zip(reqs, pos, anchors)])
     if proposal is not None:
-        chain_draft(draft, target.ahead, pos)
+        pipeline.chain(draft, pos)
 
 
-def _take_ahead(target: TargetSide, reqs: list[Request]) -> tuple[Launched | None, dict[Request, int]]:
-    """The step launched ahead and, for each request of `reqs` whose row it can stand for, that row."""
-    launched = getattr(target, "ahead", None)
-    target.ahead = None
-    if launched is None:
-        return None, {}
-    live = set(reqs)
-    rows = {r: i for i, (r, key) in enumerate(zip(launched.reqs, launched.key))
-            if r in live and key == (r.anchor_pos, r.num_computed, r.anchor)}
-    return (launched if rows else None), rows
-
-
-def _draft_ahead(draft: DraftSide, reqs: list[Request], new_tokens: list[list[int]], max_drafts: int) -> None:
-    """Launch the next step's draft now, from the tokens this step commits (the caller appends them later). It is
-    used only if the next step's batch is these requests at the predicted positions (a stop, an abort, a
-    preemption or an admission in between changes it; then the next step drafts afresh, and what this draft
-    wrote to the draft cache is valid context or scratch)."""
-    draft.ahead = None
+def _draft_ahead(pipeline: StepPipeline, draft: Drafter, reqs: list[Request], new_tokens: list[list[int]],
+                 max_drafts: int) -> None:
+    """Launch the next step's draft now (pipeline.drafted), from the tokens this step commits (the caller appends
+    them later). It is used only if the next step's batch is these requests at the predicted positions (a stop, an
+    abort, a preemption or an admission in between changes it; then the next step drafts afresh, and what this
+    draft wrote to the draft cache is valid context or scratch)."""
+    pipeline.drafted = None
     pos = _next_pos(reqs, new_tokens)
     if not any(wanted(reqs, max_drafts, [r.remaining - len(t) for r, t in zip(reqs, new_tokens)])):
         return
@@ -245,32 +220,12 @@ def _draft_ahead(draft: DraftSide, reqs: list[Request], new_tokens: list[list[in
         return
     for r, k in zip(reqs, need):
         r.draft_blocks.extend(pool.allocate_blocks(k) if k else [])
-    draft.ahead = (_ahead_key(reqs, pos), draft.propose(draft_input(reqs, [t[-1] for t in new_tokens], pos)))
+    pipeline.keep_drafted(reqs, pos, draft.propose(draft_input(reqs, [t[-1] for t in new_tokens], pos)))
 
 
 def _next_pos(reqs: list[Request], new_tokens: list[list[int]]) -> list[int]:
     """The next anchors' positions, before this step's tokens are appended."""
     return [r.num_tokens - 1 + len(t) for r, t in zip(reqs, new_tokens)]
-
-
-def _ahead_key(reqs: list[Request], pos: list[int]) -> list[tuple[Request, int, int]]:
-    """What a draft made ahead assumed of each request (checked by _drafted_ahead)."""
-    return [(r, p, r.num_computed) for r, p in zip(reqs, pos)]
-
-
-def _drafted_ahead(draft: DraftSide, reqs: list[Request], anchor_pos: list[int] | None = None) -> DraftProposal | None:
-    """The proposal drafted ahead at the end of the previous step, if it was drafted for exactly this batch (at
-    `anchor_pos`, by default the requests' own)."""
-    ahead = getattr(draft, "ahead", None)
-    if ahead is None:
-        return None
-    draft.ahead = None
-    key, proposal = ahead
-    pos = [r.anchor_pos for r in reqs] if anchor_pos is None else anchor_pos
-    if len(key) != len(reqs) or any(r is not k or p != kp or r.num_computed != c
-                                     for r, p, (k, kp, c) in zip(reqs, pos, key)):
-        return None
-    return proposal
 
 
 def _commit_cache(r: Request, accepted: int, features: Tensor | None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .draft_side import DraftProposal
+from .drafter import DraftProposal
 from .request import Request
 from .spec_config import SpeculativeConfig
 

@@ -7,7 +7,8 @@ import torch
 import torch.multiprocessing as mp
 
 from dspark_serve.actors.channel import DraftEnd, VerifierEnd, free_port
-from dspark_serve.engine.draft_side import DraftInput, DraftProposal, DraftSide
+from dspark_serve.engine.draft_side import DraftSide
+from dspark_serve.engine.drafter import DraftInput, DraftProposal, Drafter
 from dspark_serve.engine.spec_config import SpeculativeConfig
 from dspark_serve.models.random_init import tiny_pair
 
@@ -124,9 +125,9 @@ def test_engine_with_a_remote_draft_equals_the_local_one(ahead, monkeypatch):
     """The engine over the channel (RemoteDraft) gives the in-process engine's tokens and acceptance, greedy and
     seeded sampling, with and without drafting and launching ahead (what a GPU verifier does)."""
     from dspark_serve.actors.remote_draft import RemoteDraft
-    from dspark_serve.engine import spec_step as spec_step_module
     from dspark_serve.engine.llm import LLM
     from dspark_serve.engine.sampling_params import SamplingParams
+    from dspark_serve.engine.step_pipeline import StepPipeline
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     port = free_port("127.0.0.1")
     proc = mp.get_context("spawn").Process(target=_draft_process, args=(port, False, 0.002, {}))
@@ -134,17 +135,18 @@ def test_engine_with_a_remote_draft_equals_the_local_one(ahead, monkeypatch):
     end = VerifierEnd("127.0.0.1", port, "gloo", torch.device("cpu"), 128, torch.float32, 256)
     target, draft = tiny_pair(seed=6, block_size=5, dtype=torch.float32, agree=0.002)
     taken = []
-    drafted = spec_step_module._drafted_ahead
-    monkeypatch.setattr(spec_step_module, "_drafted_ahead", lambda *a: taken.append(drafted(*a)) or taken[-1])
+    drafted = StepPipeline.take_drafted
+    monkeypatch.setattr(StepPipeline, "take_drafted", lambda *a: taken.append(drafted(*a)) or taken[-1])
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [30, 31, 32, 33, 34, 35, 36]]
     params = [SamplingParams(temperature=t, max_tokens=14, seed=i, ignore_eos=True) for i, t in enumerate((0, .8, 1))]
     try:
         remote = RemoteDraft(end, draft.config.num_speculative_tokens, draft.config.query_len, 64, 8)
+        assert isinstance(remote, Drafter) and not remote.can_chain
         llm = LLM(target, None, {}, device="cpu", block_size=8, num_kv_blocks=64, draft_side=remote,
                   capture_layers=draft.config.target_layer_ids)
         local = LLM(target, draft, {}, device="cpu", block_size=8, num_kv_blocks=64)
         for engine in (llm, local):
-            engine.draft.draft_ahead = engine.target.step_ahead = ahead
+            engine.scheduler.pipeline.draft_ahead = engine.scheduler.pipeline.step_ahead = ahead
         got = llm.generate(prompts, params)
         remote_hits = sum(p is not None for p in taken)  # steps that took the remote draft asked for ahead
         want = local.generate(prompts, params)

@@ -4,9 +4,9 @@ seeded sampling, continuous batching with admissions, stop tokens and length lim
 import pytest
 from engine_pairs import build_pair, random_prompts
 
-from dspark_serve.engine import spec_step as spec_step_module
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.engine.step_pipeline import StepPipeline
 
 
 @pytest.mark.parametrize("spec", [{}, {"dspark_draft_topk": 8}])
@@ -18,12 +18,12 @@ def test_draft_ahead_changes_no_output(spec, static, monkeypatch):
                              stop_token_ids=(7,) if i % 3 == 0 else ()) for i in range(len(prompts))]
     outs = {}
     used = []
-    taken = spec_step_module._drafted_ahead
-    monkeypatch.setattr(spec_step_module, "_drafted_ahead", lambda d, r: used.append(taken(d, r)) or used[-1])
+    taken = StepPipeline.take_drafted
+    monkeypatch.setattr(StepPipeline, "take_drafted", lambda p, r: used.append(taken(p, r)) or used[-1])
     for ahead in (False, True):
         llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
                   enforce_eager=not static)
-        llm.draft.draft_ahead = ahead
+        llm.scheduler.pipeline.draft_ahead = ahead
         used.clear()
         outs[ahead] = llm.generate(prompts, params)  # 14 prompts through 4 slots: admissions between steps
         assert llm.target.allocator.num_free == 256 and llm.draft.allocator.num_free == 256

@@ -5,9 +5,10 @@ length limits and aborts; every block is freed; it is really used, and dropped w
 import pytest
 from engine_pairs import build_pair, random_prompts
 
-from dspark_serve.engine import spec_step as spec_step_module
+from dspark_serve.engine.drafter import Drafter
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.engine.step_pipeline import StepPipeline
 
 
 def _params(count: int) -> list[SamplingParams]:
@@ -18,13 +19,13 @@ def _params(count: int) -> list[SamplingParams]:
 @pytest.fixture
 def taken(monkeypatch):
     used: list[bool] = []
-    take = spec_step_module.take_chained
+    take = StepPipeline.take_chained
 
     def counting(*args):
         out = take(*args)
         used.append(out is not None)
         return out
-    monkeypatch.setattr(spec_step_module, "take_chained", counting)
+    monkeypatch.setattr(StepPipeline, "take_chained", counting)
     return used
 
 
@@ -32,8 +33,10 @@ def _llm(target, draft, spec, chain: bool) -> LLM:
     """Static shapes (run eagerly on CPU), drafting and launching ahead as on CUDA; chaining on or off."""
     llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
               enforce_eager=False)
-    llm.target.step_ahead = llm.draft.draft_ahead = True
-    llm.draft.chain_ahead = chain
+    assert isinstance(llm.draft, Drafter) and llm.draft.can_chain
+    pipeline = llm.scheduler.pipeline
+    pipeline.step_ahead = pipeline.draft_ahead = True
+    pipeline.chain_ahead = chain
     return llm
 
 
@@ -79,16 +82,16 @@ def test_chained_proposal_equals_a_fresh_draft(monkeypatch):
     is not zeroed here, so its context (the verify's features) matters."""
     import torch
 
-    from dspark_serve.engine.draft_side import draft_input
+    from dspark_serve.engine.drafter import draft_input
     target, draft = build_pair(seed=11, agree=0.005, block_size=5)
     with torch.no_grad():
         draft.norm.weight.fill_(1.0)  # the block's hidden (context included) reaches the logits
-    take = spec_step_module.take_chained
+    take = StepPipeline.take_chained
     checked = []
 
-    def checking(side, launched, rows, reqs):
+    def checking(pipeline, launched, rows, reqs):
         saved = [(r.draft_context_len, list(r.pending_features)) for r in reqs]
-        out = take(side, launched, rows, reqs)
+        out = take(pipeline, launched, rows, reqs)
         if out is None:
             return None
         got = {k: v.clone() for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
@@ -97,14 +100,14 @@ def test_chained_proposal_equals_a_fresh_draft(monkeypatch):
             r.draft_context_len, r.pending_features = c, feats
         packed = launched.packed
         anchors = [int(packed[i, int(packed[i, 0]) + 1]) for i in range(len(reqs))]
-        fresh = side.propose(draft_input(reqs, anchors, [r.num_computed for r in reqs]))
+        fresh = llm.draft.propose(draft_input(reqs, anchors, [r.num_computed for r in reqs]))
         for r, (c, feats) in zip(reqs, done):
             r.draft_context_len, r.pending_features = c, feats
         for k, v in got.items():
             assert torch.equal(v, getattr(fresh, k)), k
         checked.append(len(reqs))
         return out
-    monkeypatch.setattr(spec_step_module, "take_chained", checking)
+    monkeypatch.setattr(StepPipeline, "take_chained", checking)
     llm = _llm(target, draft, {"dspark_draft_topk": 8}, True)
     outs = llm.generate(random_prompts(5, 6), _params(6))
     assert len(checked) > 10 and max(checked) > 1

@@ -137,7 +137,7 @@ def test_engine_topk_gathered_path_with_nvfp4_draft(target, tmp_path):
     base = torch.randn(3, 4, VOCAB, generator=g)
     args = (hidden, base, torch.tensor([1, 2, 3]), torch.tensor([0.0, 0.7, 1.3]), torch.tensor([5, 6, 7]),
             torch.tensor([10, 20, 30]), True)
-    a, b = (llm.draft._markov_walk(*args) for llm in llms)
+    a, b = (llm.draft.markov_walk(*args) for llm in llms)
     assert a.tokens.tolist() == b.tokens.tolist() and a.cand_ids.tolist() == b.cand_ids.tolist()
     torch.testing.assert_close(a.cand_probs, b.cand_probs, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(a.confidence_logits, b.confidence_logits, rtol=1e-5, atol=1e-5)

@@ -46,7 +46,7 @@ def _check(target, prompt: list[int], out, params: SamplingParams) -> None:
 @pytest.mark.parametrize("ahead", [False, True], ids=["", "step-ahead"])
 def test_logprobs_are_the_processed_targets(pair, static, ahead):
     llm = LLM(*pair, device="cpu", block_size=8, num_kv_blocks=256, enforce_eager=not static)
-    llm.target.step_ahead = llm.draft.draft_ahead = ahead
+    llm.scheduler.pipeline.step_ahead = llm.scheduler.pipeline.draft_ahead = ahead
     outs = llm.generate(PROMPTS, PARAMS)
     for prompt, out, params in zip(PROMPTS, outs, PARAMS):
         if params.logprobs is None:

@@ -4,7 +4,7 @@ that keeps the likeliest slots, always as per-row prefixes."""
 import pytest
 import torch
 
-from dspark_serve.engine.draft_side import DraftProposal
+from dspark_serve.engine.drafter import DraftProposal
 from dspark_serve.engine.request import Request
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.engine.spec_config import SpeculativeConfig

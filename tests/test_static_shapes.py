@@ -144,7 +144,8 @@ def test_capture_runs_on_padding_and_restores_the_step(monkeypatch, fails):
     see padding only, then the step's own inputs are back, so outputs equal the dynamic path's; a capture that
     fails warns and leaves the static path running eagerly."""
     from dspark_serve.engine import cuda_graphs
-    from dspark_serve.engine.draft_side import DraftInput, DraftSide
+    from dspark_serve.engine.draft_side import DraftSide
+    from dspark_serve.engine.drafter import DraftInput
     from dspark_serve.engine.spec_config import SpeculativeConfig
 
     target, draft = tiny_pair(seed=5, agree=0.01, block_size=4, dtype=torch.float32)
@@ -201,7 +202,8 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
     prompt takes, decode and verify at every context bucket, the draft's greedy and sampling graphs; on padding,
     so no live cache block changes; the first requests then replay them, with the dynamic path's outputs."""
     from dspark_serve.engine import cuda_graphs
-    from dspark_serve.engine.draft_side import DraftInput, DraftSide
+    from dspark_serve.engine.draft_side import DraftSide
+    from dspark_serve.engine.drafter import DraftInput
     from dspark_serve.engine.spec_config import SpeculativeConfig
 
     target, draft = tiny_pair(seed=7, agree=0.01, block_size=4, dtype=torch.float32)
@@ -240,7 +242,8 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
 
 @pytest.mark.parametrize("topk", [0, 8])
 def test_static_draft_proposal_matches_dynamic(topk):
-    from dspark_serve.engine.draft_side import DraftInput, DraftSide
+    from dspark_serve.engine.draft_side import DraftSide
+    from dspark_serve.engine.drafter import DraftInput
     from dspark_serve.engine.spec_config import SpeculativeConfig
 
     _, draft = tiny_pair(seed=6, agree=0.01, block_size=5, dtype=torch.float32)

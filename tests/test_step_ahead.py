@@ -5,9 +5,9 @@ aborts and plain decoding; it frees every block; it is really used, and skipped 
 import pytest
 from engine_pairs import build_pair, random_prompts
 
-from dspark_serve.engine import spec_step as spec_step_module
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.engine.step_pipeline import StepPipeline
 
 
 def _params(count: int) -> list[SamplingParams]:
@@ -19,22 +19,22 @@ def _params(count: int) -> list[SamplingParams]:
 def taken(monkeypatch):
     """Per spec_step call: how many of its requests took a row launched ahead."""
     counts: list[tuple[int, int, int]] = []  # (rows taken, requests, rows launched ahead)
-    take = spec_step_module._take_ahead
+    take = StepPipeline.take_launched
 
-    def counting(target, reqs):
-        launched, rows = take(target, reqs)
+    def counting(pipeline, reqs):
+        launched, rows = take(pipeline, reqs)
         counts.append((len(rows), len(reqs), len(launched.reqs) if launched is not None else 0))
         return launched, rows
-    monkeypatch.setattr(spec_step_module, "_take_ahead", counting)
+    monkeypatch.setattr(StepPipeline, "take_launched", counting)
     return counts
 
 
 def _llm(target, draft, spec, static, ahead):
     llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
               enforce_eager=not static)
-    llm.target.step_ahead = ahead
+    llm.scheduler.pipeline.step_ahead = ahead
     if llm.draft is not None:
-        llm.draft.draft_ahead = ahead
+        llm.scheduler.pipeline.draft_ahead = ahead
     return llm
 
 
@@ -108,15 +108,19 @@ def test_not_ahead_when_n_reads_confidences(taken):
 
 
 class _DraftBehindAChannel:
-    """The surface actors/remote_draft.RemoteDraft gives spec_step (no drafting ahead), over a local DraftSide."""
+    """The Drafter that actors/remote_draft.RemoteDraft is on a CPU verifier (no drafting ahead, no chaining),
+    over a local DraftSide."""
 
     def __init__(self, side) -> None:
         self.side = side
         self.num_speculative_tokens, self.query_len = side.num_speculative_tokens, side.query_len
-        self.allocator, self.device = side.allocator, side.device
+        self.allocator, self.device, self.can_chain = side.allocator, side.device, False
 
     def propose(self, inp):
         return self.side.propose(inp)
+
+    def propose_chained(self, *args):
+        return None
 
 
 def test_a_draft_that_cannot_draft_ahead(taken):
@@ -129,7 +133,8 @@ def test_a_draft_that_cannot_draft_ahead(taken):
         remote = LLM(target, None, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
                      enforce_eager=False, draft_side=_DraftBehindAChannel(local.draft),
                      capture_layers=draft.config.target_layer_ids)
-        remote.target.step_ahead = ahead
+        assert not remote.scheduler.pipeline.draft_ahead  # on a CPU device
+        remote.scheduler.pipeline.step_ahead = ahead
         taken.clear()
         ids = [remote.add_request(p, sp, num_speculative_tokens=0 if i % 2 else None)
                for i, (p, sp) in enumerate(zip(prompts, params))]

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from dspark_serve.engine.draft_side import DraftInput, DraftSide
+from dspark_serve.engine.draft_side import DraftSide
+from dspark_serve.engine.drafter import DraftInput
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.engine.spec_config import SpeculativeConfig

@@ -45,10 +45,10 @@ def test_seeded_sampling_matches_cpu():
 def test_chained_draft_on_cuda_changes_no_output(monkeypatch):
     """The draft chained behind the verify launched ahead (the CUDA default): the same tokens and acceptance as
     without it, greedy and seeded sampling, in CUDA graphs; and it is really taken."""
-    from dspark_serve.engine import spec_step as spec_step_module
+    from dspark_serve.engine.step_pipeline import StepPipeline
     taken = []
-    take = spec_step_module.take_chained
-    monkeypatch.setattr(spec_step_module, "take_chained", lambda *a: taken.append(take(*a)) or taken[-1])
+    take = StepPipeline.take_chained
+    monkeypatch.setattr(StepPipeline, "take_chained", lambda *a: taken.append(take(*a)) or taken[-1])
     target, draft = tiny_pair(seed=3, agree=0.002, block_size=6)
     with torch.no_grad():
         draft.norm.weight.fill_(1.0)  # the block's hidden (the verify's features in its context) reaches the logits
@@ -58,8 +58,8 @@ def test_chained_draft_on_cuda_changes_no_output(monkeypatch):
     outs = {}
     for chain in (False, True):
         llm = LLM(target, draft, device="cuda", block_size=8, num_kv_blocks=512, max_num_seqs=2)
-        assert llm.draft.chain_ahead and llm.draft.graphs is not None
-        llm.draft.chain_ahead = chain
+        assert llm.scheduler.pipeline.chain_ahead and llm.draft.can_chain
+        llm.scheduler.pipeline.chain_ahead = chain
         taken.clear()
         outs[chain] = llm.generate(prompts, params)
     for a, b in zip(outs[False], outs[True]):
