@@ -1,10 +1,11 @@
 """The step channel between verifier (rank 0) and draft (rank 1): torch.distributed send/recv, NCCL or gloo.
 
 One message each way per step: a byte buffer of a fixed capacity (both ends derive it from the context width)
-holding a 64-byte int64 header, the int64 fields, then the float payload (16-byte aligned). A payload past the
-capacity (a prefill's context, a batch's, a dense q) follows in a second message whose size the header gives.
-The receiver reads the header (and the draft the int64 fields) to the host in one copy; the floats stay where
-they arrived. Buffers grow once and are reused.
+holding a 64-byte int64 header, the int64 fields, then the float payload (16-byte aligned); the header words and
+a request's per-row fields are declared once by name (REQUEST_HEADER, ANSWER_HEADER, ROW), and both ends pack and
+read them by those names. A payload past the capacity (a prefill's context, a batch's, a dense q) follows in a
+second message whose size the header gives. The receiver reads the header (and the draft the int64 fields) to the
+host in one copy; the floats stay where they arrived. Buffers grow once and are reused.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from torch import Tensor
 
 from dspark_serve.engine.drafter import DraftInput, DraftProposal
 
-HEADER = 8  # int64 words: [op, a, b, c, d, e, f, total bytes]
+HEADER = 8  # int64 words: the named fields below, zeros, and the message's total bytes last
+REQUEST_HEADER = ("op", "num_reqs", "num_ctx", "width")  # verifier -> draft (a ping or stop: the op alone)
+ANSWER_HEADER = ("op", "n", "kind", "k", "has_conf", "compute_us")  # draft -> verifier (op 0)
+ROW = ("anchors", "anchor_pos", "ctx_start", "ctx_len", "seeds", "temperature")  # a request's int64 fields, then
+# its `width` block table entries (DraftInput's fields of those names; the temperature as its fp32 bits)
 OP_PROPOSE, OP_STOP, OP_PING = 1, 2, 3
 Q_NONE, Q_DENSE, Q_TOPK = 0, 1, 2
 TO_VERIFIER = 16 << 10  # bytes: a top-k 64 proposal of 2 requests, or a greedy one of 100
@@ -39,6 +44,33 @@ def capacity_to_draft(ctx_dim: int) -> int:
 
 def _aligned(n: int) -> int:
     return (n + 15) // 16 * 16
+
+
+def header(names: tuple[str, ...], **values: int) -> Tensor:
+    """[HEADER] int64 host words: `values` at their names' places, zeros elsewhere (the total is set on packing)."""
+    words = [0] * HEADER
+    for name, value in values.items():
+        words[names.index(name)] = value
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def fields(names: tuple[str, ...], words: list[int]) -> dict[str, int]:
+    """A received header's words by name."""
+    return dict(zip(names, words))
+
+
+def pack_rows(inp: DraftInput) -> Tensor:
+    """[R, len(ROW) + W] int64: each request's ROW fields, then its block table."""
+    temp_bits = inp.temperature.float().view(torch.int32).to(torch.int64)
+    cols = [temp_bits if name == "temperature" else getattr(inp, name) for name in ROW]
+    return torch.cat([torch.stack(cols, 1), inp.block_table], 1)
+
+
+def unpack_rows(ints: Tensor, features: Tensor | None) -> DraftInput:
+    """The DraftInput of pack_rows' words (views of `ints`, but the temperature)."""
+    cols = {name: ints[:, i] for i, name in enumerate(ROW)}
+    cols["temperature"] = cols["temperature"].to(torch.int32).view(torch.float32)
+    return DraftInput(**cols, features=features, block_table=ints[:, len(ROW):])
 
 
 class StepChannel:
@@ -129,8 +161,7 @@ class VerifierEnd(StepChannel):
     def ping(self) -> float:
         """One empty round trip, so that an idle channel's operations never reach their timeout; -> ms."""
         t0 = time.perf_counter()
-        head = torch.tensor([OP_PING] + [0] * (HEADER - 1), dtype=torch.int64)
-        buf, total = self._pack("out", head, [], self.capacity_to_draft)
+        buf, total = self._pack("out", header(REQUEST_HEADER, op=OP_PING), [], self.capacity_to_draft)
         self._send(buf, total, self.capacity_to_draft)
         self._recv("in", self.capacity_to_verifier, 8 * HEADER)
         self.last_used = time.monotonic()
@@ -141,15 +172,13 @@ class VerifierEnd(StepChannel):
         t0 = time.perf_counter()
         num_reqs, width = inp.block_table.shape
         num_ctx = int(inp.ctx_len.sum())
-        temp_bits = inp.temperature.float().view(torch.int32).to(torch.int64)
-        fields = torch.cat([torch.stack([inp.anchors, inp.anchor_pos, inp.ctx_start, inp.ctx_len, inp.seeds,
-                                         temp_bits], 1), inp.block_table], 1)  # [R, 6 + W]
-        head = torch.tensor([OP_PROPOSE, num_reqs, num_ctx, width] + [0] * (HEADER - 4), dtype=torch.int64)
+        head = header(REQUEST_HEADER, op=OP_PROPOSE, num_reqs=num_reqs, num_ctx=num_ctx, width=width)
         feats = [inp.features.to(self.device, self.feature_dtype)] if num_ctx else []
-        buf, total = self._pack("out", torch.cat([head, fields.flatten()]), feats, self.capacity_to_draft)
+        buf, total = self._pack("out", torch.cat([head, pack_rows(inp).flatten()]), feats, self.capacity_to_draft)
         self._send(buf, total, self.capacity_to_draft)
-        buf, h, _ = self._recv("in", self.capacity_to_verifier, 8 * HEADER)
-        n, kind, k, has_conf, compute_us = h[1:6]
+        buf, words, _ = self._recv("in", self.capacity_to_verifier, 8 * HEADER)
+        h = fields(ANSWER_HEADER, words)
+        n, kind, k, has_conf = h["n"], h["kind"], h["k"], h["has_conf"]
         k_ids = k if kind == Q_TOPK else 0
         q_width = {Q_TOPK: k, Q_DENSE: self.target_vocab}.get(kind, 0)
         ints, off = self.view(buf, 8 * HEADER, torch.int64, (num_reqs, n, 1 + k_ids))
@@ -161,12 +190,11 @@ class VerifierEnd(StepChannel):
         conf = floats[..., -1] if has_conf else None
         self.last_used = time.monotonic()
         wall_ms = (time.perf_counter() - t0) * 1e3
-        return DraftProposal(ints[..., 0], probs, conf, transfer_ms=max(0.0, wall_ms - compute_us / 1e3),
+        return DraftProposal(ints[..., 0], probs, conf, transfer_ms=max(0.0, wall_ms - h["compute_us"] / 1e3),
                              cand_ids=cand_ids, cand_probs=cand_probs)
 
     def stop(self) -> None:
-        head = torch.tensor([OP_STOP] + [0] * (HEADER - 1), dtype=torch.int64)
-        buf, total = self._pack("out", head, [], self.capacity_to_draft)
+        buf, total = self._pack("out", header(REQUEST_HEADER, op=OP_STOP), [], self.capacity_to_draft)
         self._send(buf, total, self.capacity_to_draft)
 
 
@@ -185,8 +213,7 @@ class DraftEnd(StepChannel):
             if out is None:
                 return
             if out == OP_PING:
-                head = torch.tensor([0] * HEADER, dtype=torch.int64)
-                buf, total = self._pack("out", head, [], self.capacity_to_verifier)
+                buf, total = self._pack("out", header(ANSWER_HEADER), [], self.capacity_to_verifier)
                 self._send(buf, total, self.capacity_to_verifier)
                 continue
             t0 = time.perf_counter()
@@ -197,27 +224,26 @@ class DraftEnd(StepChannel):
 
     def _receive(self) -> DraftInput | int | None:
         """The next request: a DraftInput, OP_PING, or None for OP_STOP."""
-        buf, h, words = self._recv("in", self.capacity_to_draft, min(HOST_PREFIX, self.capacity_to_draft))
-        if h[0] == OP_STOP:
+        buf, head, words = self._recv("in", self.capacity_to_draft, min(HOST_PREFIX, self.capacity_to_draft))
+        h = fields(REQUEST_HEADER, head)
+        if h["op"] == OP_STOP:
             return None
-        if h[0] == OP_PING:
+        if h["op"] == OP_PING:
             return OP_PING
-        num_reqs, num_ctx, width = h[1:4]
-        n_words = HEADER + num_reqs * (6 + width)
+        num_reqs, num_ctx, row = h["num_reqs"], h["num_ctx"], len(ROW) + h["width"]
+        n_words = HEADER + num_reqs * row
         if n_words > words.numel():  # many requests: the fields run past the prefix read
             words = buf[:8 * n_words].to("cpu", copy=True).view(torch.int64)
-        ints = words[HEADER:n_words].view(num_reqs, 6 + width)
-        temp = ints[:, 5].to(torch.int32).view(torch.float32)
         feats = self.view(buf, _aligned(8 * n_words), self.feature_dtype, (num_ctx, self.ctx_dim))[0] \
             if num_ctx else None
-        return DraftInput(ints[:, 0], ints[:, 1], ints[:, 2], ints[:, 3], feats, ints[:, 6:], temp, ints[:, 4])
+        return unpack_rows(words[HEADER:n_words].view(num_reqs, row), feats)
 
     def _reply(self, out: DraftProposal, compute_us: int) -> None:
         num_reqs, n = out.tokens.shape
         kind = Q_TOPK if out.cand_ids is not None else (Q_NONE if out.probs is None else Q_DENSE)
         k = out.cand_ids.shape[-1] if out.cand_ids is not None else 0
         has_conf = out.confidence_logits is not None
-        head = torch.tensor([0, n, kind, k, int(has_conf), compute_us, 0, 0], dtype=torch.int64)
+        head = header(ANSWER_HEADER, n=n, kind=kind, k=k, has_conf=int(has_conf), compute_us=compute_us)
         ints = torch.cat([out.tokens[..., None]] + ([out.cand_ids] if kind == Q_TOPK else []), -1)  # [R, N, 1 (+ K)]
         floats = ([out.cand_probs.float()] if kind == Q_TOPK else []) + \
             ([out.probs.float()] if kind == Q_DENSE else []) + \

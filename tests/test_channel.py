@@ -159,3 +159,19 @@ def test_engine_with_a_remote_draft_equals_the_local_one(ahead, monkeypatch):
         assert a.token_ids == b.token_ids and a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
     assert sum(o.stats["accepted"] for o in got) > 0
     assert (remote_hits > 0) == ahead
+
+
+def test_the_wire_layout_is_declared_by_name():
+    """The header words and a request's row sit where the names put them: [op, num_reqs, num_ctx, width, 0.., total]
+    and [anchor, anchor_pos, ctx_start, ctx_len, seed, temperature bits, block table..]; rows read back exactly."""
+    from dspark_serve.actors.channel import REQUEST_HEADER, fields, header, pack_rows, unpack_rows
+    head = header(REQUEST_HEADER, op=1, num_reqs=2, num_ctx=3, width=4)
+    assert head.tolist() == [1, 2, 3, 4, 0, 0, 0, 0] and fields(REQUEST_HEADER, head.tolist())["width"] == 4
+    inp = DraftInput(anchors=torch.tensor([5, 6]), anchor_pos=torch.tensor([7, 8]), ctx_start=torch.tensor([1, 2]),
+                     ctx_len=torch.tensor([3, 4]), features=None, block_table=torch.tensor([[9, 10], [11, 0]]),
+                     temperature=torch.tensor([0.0, 0.75]), seeds=torch.tensor([12, 13]))
+    rows = pack_rows(inp)
+    assert rows[:, :5].tolist() == [[5, 7, 1, 3, 12], [6, 8, 2, 4, 13]] and rows[:, 6:].tolist() == [[9, 10], [11, 0]]
+    back = unpack_rows(rows, None)
+    for name in ("anchors", "anchor_pos", "ctx_start", "ctx_len", "seeds", "block_table", "temperature"):
+        assert torch.equal(getattr(back, name), getattr(inp, name)), name
