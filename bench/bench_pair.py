@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dspark_serve.cluster.demo import GPU_SPEC_CONFIG
+from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir

@@ -123,7 +123,7 @@ async def _client(address: str, application: str | None, jobs: list[tuple[str, b
                   max_tokens: int, start_at: float) -> list[dict]:
     import grpc
 
-    from dspark_serve.cluster.client import DSparkClient
+    from dspark_serve.cluster.grpc_client import DSparkClient
     from dspark_serve.protos.dspark.v1 import dspark_pb2_grpc
 
     metadata = (("application", application),) if application else None
@@ -184,7 +184,7 @@ def load(address: str, application: str | None, prompts: list[str], concurrency:
 
 def served_rows(layout: str, address: str, application: str | None, args: argparse.Namespace,
                 prompts: list[str]) -> list[dict]:
-    from dspark_serve.cluster.client import DSparkClient
+    from dspark_serve.cluster.grpc_client import DSparkClient
 
     stats = DSparkClient(address, application=application)
     rows = []
@@ -218,8 +218,8 @@ def _env() -> dict:
 
 
 def start_server(args: argparse.Namespace, flags: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", args.target, "--draft", args.draft,
-           "--speculative-config", args.speculative_config, "--host", "127.0.0.1", "--port", "0",
+    cmd = [sys.executable, "-m", "dspark_serve.cluster.commands", "serve", "--target", args.target,
+           "--draft", args.draft, "--speculative-config", args.speculative_config, "--host", "127.0.0.1", "--port", "0",
            "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(max(args.levels)), "--max-queue", str(4 * max(args.levels)), *flags]
     cmd += ["--device", args.device] if args.device else []
@@ -258,7 +258,7 @@ def serve_config(args: argparse.Namespace, folder: Path) -> Path:
 
 
 def start_serve(args: argparse.Namespace, config: Path) -> tuple[subprocess.Popen, str]:
-    from dspark_serve.cluster.client import DSparkClient
+    from dspark_serve.cluster.grpc_client import DSparkClient
 
     cmd = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -327,7 +327,7 @@ def print_table(rows: list[dict], summary: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from dspark_serve.cluster.demo import GPU_SPEC_CONFIG
+    from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
     from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

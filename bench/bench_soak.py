@@ -53,7 +53,7 @@ def tree_rss_mb(pid: int) -> float:
 async def one(stub, prompt: list[int], params: dict, max_tokens: int) -> tuple[list[int], str | None]:
     import grpc
 
-    from dspark_serve.cluster.client import DSparkClient
+    from dspark_serve.cluster.grpc_client import DSparkClient
 
     req = DSparkClient.request(prompt, max_tokens=max_tokens, **params)
     try:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = random_pair(tmp, agree=0.005, block_size=6)
-        cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(target), "--draft",
+        cmd = [sys.executable, "-m", "dspark_serve.cluster.commands", "serve", "--target", str(target), "--draft",
                str(draft), "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "--block-size", "8",
                "--num-kv-blocks", "4096", "--max-num-seqs", str(args.concurrency),
                "--max-queue", str(2 * args.concurrency)]

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from dspark_serve.cluster.demo import GPU_SPEC_CONFIG
+from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
 from dspark_serve.engine import draft_side
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams

@@ -21,7 +21,7 @@ import ray
 import torch
 
 from dspark_serve.cluster.config import PairConfig
-from dspark_serve.cluster.demo import GPU_SPEC_CONFIG
+from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
 from dspark_serve.cluster.pair import create_pair
 from dspark_serve.engine.engine_config import EngineConfig
 from dspark_serve.engine.llm import LLM

@@ -7,7 +7,7 @@ import hashlib
 import hmac
 from typing import Any
 
-from .handlers import GatewayError
+from .gateway import GatewayError
 
 
 def _digest(text: str) -> bytes:

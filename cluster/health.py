@@ -8,7 +8,7 @@ from typing import Any
 
 from grpc_health.v1 import health, health_pb2
 
-from .servicer import SERVICE_NAME
+from .grpc_methods import SERVICE_NAME
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

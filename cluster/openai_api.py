@@ -20,7 +20,7 @@ from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from . import openai_convert as oc
 from .auth import Access
-from .handlers import GatewayCore, GatewayError
+from .gateway import GatewayCore, GatewayError
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from .auth import Access
 from .config import GatewayConfig, PairConfig
-from .handlers import GatewayCore
+from .gateway import GatewayCore
+from .grpc_methods import status
 from .metrics import GaugeRefresher, RaySink, ServingMetrics, log_requests_to_stderr
-from .servicer import status
 
 BUILTIN_TINY = "builtin:tiny"  # a tiny constructed pair written at startup, with a byte-level tokenizer (laptop / CI)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

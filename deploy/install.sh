@@ -13,5 +13,5 @@ case "$flavor" in
 esac
 "$py" -m pip install --no-cache-dir "$src[$extras]"
 "$py" -c "import dspark_serve.protos.dspark.v1.dspark_pb2_grpc, dspark_serve.cluster.serve_app, dspark_serve.engine.llm"
-command -v dspark-serve >/dev/null || "$py" -m dspark_serve.cluster.cli --help >/dev/null
+command -v dspark-serve >/dev/null || "$py" -m dspark_serve.cluster.commands --help >/dev/null
 echo "dspark-serve installed ($flavor)"

@@ -49,7 +49,7 @@ export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 DC=/tmp/dc GGUF=/tmp/dc/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf T=/tmp/dc/qwen2.5-coder-0.5b-instruct
 SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
-cli() { python3 -m dspark_serve.cluster.cli "$@"; }
+cli() { python3 -m dspark_serve.cluster.commands "$@"; }
 step_ab() {  # bench_step with the dispatch switch DSPARK_$1 off, then on; logs and JSON named after $2
     for p in 0 1; do
         env "DSPARK_$1=$p" timeout 60 python3 bench/bench_step.py --json "$OUT/bench_step_$2$p.json" 2>&1 \

@@ -36,7 +36,7 @@ def engine_leaks() -> list[str]:
 def server_leaks(timeout_s: float = 10.0) -> list[str]:
     import grpc
 
-    from dspark_serve.cluster.client import DSparkClient
+    from dspark_serve.cluster.grpc_client import DSparkClient
 
     bad = []
     for srv in list(SERVERS):

@@ -23,8 +23,8 @@ class ServerProcess:
         self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else None
         self.address = self.http_address = None
         block_invariant.SERVERS.add(self)
-        cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", *(["--target", str(target)] if target else []),
-               "--port", "0",
+        cmd = [sys.executable, "-m", "dspark_serve.cluster.commands", "serve",
+               *(["--target", str(target)] if target else []), "--port", "0",
                "--host", "127.0.0.1", "--num-cpus", "4", "--block-size", "8", "--num-kv-blocks", "1024", *extra]
         if draft is not None:
             cmd += ["--draft", str(draft)]

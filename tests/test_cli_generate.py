@@ -15,8 +15,8 @@ from dspark_serve.models.target_loader import load_target
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "dspark_serve.cluster.commands", *args], capture_output=True,
+                          text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def test_bad_options_name_the_field(options, message):
 
 
 def test_cli_flags_map_onto_the_config():
-    from dspark_serve.cluster.cli import build_parser
+    from dspark_serve.cluster.commands.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--target", "t", "--draft", "d", "--kernel-config", '{"pdl": false}',
                                       "--num-kv-blocks", "64", "--enforce-eager", "--dtype", "float32"])
@@ -50,7 +50,7 @@ def test_cli_flags_map_onto_the_config():
 
 
 def test_serve_refuses_a_bad_kernel_config_in_one_line(capsys):
-    from dspark_serve.cluster import cli
+    from dspark_serve.cluster.commands import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--target", "t", "--kernel-config", '{"pdl": 2}'])

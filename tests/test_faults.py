@@ -14,7 +14,7 @@ import pytest
 from service import ServerProcess
 
 from dspark_serve.actors.request_stream import SyncStreamClient
-from dspark_serve.cluster.client import DSparkClient
+from dspark_serve.cluster.grpc_client import DSparkClient
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.random_init import random_pair
@@ -138,7 +138,7 @@ def test_a_failed_step_loop_ends_every_open_stream_at_once(pair_dirs, monkeypatc
     within a step, health reads NOT_SERVING, new requests are refused."""
     from dspark_serve.actors.verifier_actor import VerifierActor
     from dspark_serve.cluster.config import GatewayConfig, PairConfig
-    from dspark_serve.cluster.server import GatewayServer
+    from dspark_serve.cluster.grpc_server import GatewayServer
     from dspark_serve.engine.engine_config import EngineConfig
 
     actor = VerifierActor(PairConfig(EngineConfig(target=str(pair_dirs[0]), draft=str(pair_dirs[1]), device="cpu",

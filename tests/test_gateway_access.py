@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service import ServerProcess
 from tls_certs import write_pki
 
-from dspark_serve.cluster.client import DSparkClient
+from dspark_serve.cluster.grpc_client import DSparkClient
 from dspark_serve.models.random_init import random_pair
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 from dspark_serve.protos.dspark.v1 import dspark_pb2_grpc
@@ -173,7 +173,7 @@ def test_server_assigned_ids_are_random_128_bit(tls_server, pki):
 
 
 def test_cli_generate_over_tls_with_the_key_from_the_environment(tls_server, pki):
-    cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "generate", "--server", tls_server.address,
+    cmd = [sys.executable, "-m", "dspark_serve.cluster.commands", "generate", "--server", tls_server.address,
            "--ssl-ca-certs", str(pki["ca"]), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json"]
     env = {**os.environ, "DSPARK_API_KEY": KEY_B}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
@@ -224,7 +224,7 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(mtls_server, pki):
     assert c.model_info().vocab_size == 512
     c.close()
     folder = pki["ca"].parent
-    out = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", "generate", "--server", mtls_server.address,
+    out = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.commands", "generate", "--server", mtls_server.address,
                           "--ssl-ca-certs", str(pki["ca"]), "--ssl-certfile", str(folder / "bob.pem"), "--ssl-keyfile",
                           str(folder / "bob.key"), "--prompt-ids", "1,2", "--max-tokens", "3", "--json"],
                          capture_output=True, text=True, timeout=120)
@@ -291,7 +291,7 @@ def test_embedded_ray_listens_on_loopback_only_and_needs_its_token(mtls_server):
 
 
 def test_serve_flags_and_key_from_the_environment(monkeypatch):
-    from dspark_serve.cluster.cli import _api_keys, build_parser
+    from dspark_serve.cluster.commands.cli import _api_keys, build_parser
     from dspark_serve.cluster.config import GatewayConfig
 
     parser = build_parser()
@@ -310,7 +310,7 @@ def test_serve_flags_and_key_from_the_environment(monkeypatch):
 def test_manifests_take_the_key_and_certificates_from_secrets():
     import yaml
 
-    from dspark_serve.cluster.cli import build_parser
+    from dspark_serve.cluster.commands.cli import build_parser
 
     root = Path(__file__).resolve().parents[1] / "deploy" / "kuberay"
     head = yaml.safe_load((root / "raycluster.yaml").read_text())["spec"]["headGroupSpec"]["template"]["spec"]
@@ -357,7 +357,7 @@ def test_the_serve_app_checks_the_key_from_the_environment(monkeypatch):
     import asyncio
 
     from dspark_serve.cluster import serve_app
-    from dspark_serve.cluster.handlers import GatewayError
+    from dspark_serve.cluster.gateway import GatewayError
 
     monkeypatch.setenv("DSPARK_API_KEY", KEY_A)
     replica = object.__new__(serve_app.DSpark.func_or_class)

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from service import ServerProcess
 
-from dspark_serve.cluster.client import DSparkClient
+from dspark_serve.cluster.grpc_client import DSparkClient
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.random_init import random_pair

@@ -9,10 +9,10 @@ import pytest
 from service import ServerProcess
 
 from dspark_serve.cluster.auth import Access
-from dspark_serve.cluster.client import DSparkClient
+from dspark_serve.cluster.grpc_client import DSparkClient
 from dspark_serve.cluster.config import GatewayConfig
-from dspark_serve.cluster.handlers import UNAVAILABLE, GatewayCore, GatewayError
-from dspark_serve.cluster.servicer import SERVICE_NAME, GenerationServicer, rpc_handlers
+from dspark_serve.cluster.gateway import UNAVAILABLE, GatewayCore, GatewayError
+from dspark_serve.cluster.grpc_methods import SERVICE_NAME, GenerationServicer, rpc_handlers
 from dspark_serve.models.random_init import random_pair
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service import ServerProcess
 from tokenizers import processors
 
-from dspark_serve.cluster.client import DSparkClient
+from dspark_serve.cluster.grpc_client import DSparkClient
 from dspark_serve.models.random_init import random_pair
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
@@ -293,7 +293,7 @@ def test_generate_chat_cli_in_process_and_served(server, pair_dirs, grpc_client)
     runs = [["--server", server.address, "--api-key", KEY], ["--target", str(pair_dirs[0]), "--draft",
                                                               str(pair_dirs[1]), "--device", "cpu"]]
     for where in runs:
-        out = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", "generate", *where, *common],
+        out = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.commands", "generate", *where, *common],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert json.loads(out.stdout.strip().splitlines()[-1])["token_ids"] == ref["token_ids"]
@@ -317,7 +317,7 @@ def test_status_mapping_without_a_server():
     from starlette.testclient import TestClient
 
     from dspark_serve.cluster.auth import Access
-    from dspark_serve.cluster.handlers import GatewayError
+    from dspark_serve.cluster.gateway import GatewayError
     from dspark_serve.cluster.openai_api import HttpApi, build_app
 
     body = {"model": MODEL, "prompt": "x"}
@@ -346,14 +346,15 @@ def test_serve_flags_reach_the_configs_and_the_verifier(monkeypatch, pair_dirs, 
     from types import SimpleNamespace
 
     from dspark_serve.actors.verifier_actor import VerifierActor
-    from dspark_serve.cluster import cli, service
+    from dspark_serve.cluster import standalone
+    from dspark_serve.cluster.commands import cli
     from dspark_serve.cluster.config import PairConfig
     from dspark_serve.engine.engine_config import EngineConfig
 
     path = tmp_path / "t.jinja"
     path.write_text("{{ messages[0]['content'] }}!")
     seen = {}
-    monkeypatch.setattr(service, "run", lambda pair, gateway, address, num_cpus: seen.update(pair=pair, gw=gateway))
+    monkeypatch.setattr(standalone, "run", lambda pair, gateway, address, num_cpus: seen.update(pair=pair, gw=gateway))
     cli.main(["serve", str(pair_dirs[0]), "--http-port", "8123", "--served-model-name", "m", "--chat-template",
               str(path)])
     assert (seen["pair"].engine.chat_template, seen["gw"].http_port, seen["gw"].served_model_name) == \

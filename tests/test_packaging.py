@@ -15,7 +15,7 @@ def test_install_puts_only_the_namespace_at_top_level(tmp_path):
     assert top[0] == "dspark_serve" and len(top) == 2 and top[1].startswith("dspark_serve-"), top
     pkgs = sorted(p.name for p in (site / "dspark_serve").iterdir() if p.is_dir() and p.name != "__pycache__")
     assert {"models", "kernels", "engine", "actors", "cluster", "protos"} <= set(pkgs)
-    code = ("import dspark_serve.models.qwen, dspark_serve.kernels.attention, dspark_serve.cluster.cli as c; "
+    code = ("import dspark_serve.models.qwen, dspark_serve.kernels.attention, dspark_serve.cluster.commands.cli as c; "
             "print(c.__file__)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}).stdout

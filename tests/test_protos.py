@@ -25,7 +25,8 @@ def test_stale_stubs_are_detected(tmp_path):
 
 
 def test_gateway_and_client_import_without_torch():
-    code = ("import sys, dspark_serve.cluster.server, dspark_serve.cluster.client, dspark_serve.cluster.handlers; "
+    code = ("import sys, dspark_serve.cluster.grpc_server, dspark_serve.cluster.grpc_client, "
+            "dspark_serve.cluster.gateway; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -48,7 +48,7 @@ def test_real_pair_greedy_is_lossless_and_tau_above_3():
 def test_demo_command_streams_through_the_service():
     """fp32: the exact comparison (the CPU default is bf16 where AMX is present)."""
     cmd = ["demo", "--num-prompts", "1", "--max-tokens", "24", "--device", "cpu", "--dtype", "float32"]
-    proc = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", *cmd], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.commands", *cmd], capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "identical to plain greedy: True" in proc.stdout

@@ -11,7 +11,7 @@ import pytest
 from byte_tokenizer import byte_tokenizer, write_byte_tokenizer
 from service import ServerProcess
 
-from dspark_serve.cluster.client import DSparkClient
+from dspark_serve.cluster.grpc_client import DSparkClient
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.random_init import random_pair

@@ -9,7 +9,7 @@ import torch
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service import ServerProcess
 
-from dspark_serve.cluster.client import DSparkClient
+from dspark_serve.cluster.grpc_client import DSparkClient
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.random_init import random_pair
@@ -194,7 +194,7 @@ def test_bench_load_generator_reports_throughput_latency_and_tau(server, tmp_pat
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("1,2,3\n4,5,6,7\n")
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", "bench", "--server", server.address,
+    proc = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.commands", "bench", "--server", server.address,
                            "--concurrency", "1", "4", "--num-requests", "8", "--max-tokens", "16",
                            "--prompt-file", str(prompts), "--json", str(out)], capture_output=True, text=True,
                           timeout=120)
@@ -370,7 +370,7 @@ def test_serve_refuses_a_context_limit_past_the_models(pair_dirs):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(pair_dirs[0]),
+    r = subprocess.run([sys.executable, "-m", "dspark_serve.cluster.commands", "serve", "--target", str(pair_dirs[0]),
                         "--max-model-len", "999999", "--port", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--max-model-len must be in [2, 4096]" in r.stderr
 
@@ -394,7 +394,7 @@ def test_serve_takes_vllm_style_arguments(pair_dirs, local):
 
 
 def test_every_serve_flag_has_help():
-    from dspark_serve.cluster.cli import build_parser
+    from dspark_serve.cluster.commands.cli import build_parser
 
     serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]
     missing = [a.option_strings or a.dest for a in serve._actions if not a.help]

@@ -161,7 +161,7 @@ def test_spec_config_refuses_a_non_path_token_map():
 def test_the_demo_drafter_ships_a_token_map_for_cpu_fp32():
     from pathlib import Path
 
-    from dspark_serve.cluster.demo import CPU_SPEC_CONFIG, cpu_fp32_spec_config
+    from dspark_serve.cluster.commands.demo import CPU_SPEC_CONFIG, cpu_fp32_spec_config
     from dspark_serve.models.demo import DEMO_DRAFTER, DEMO_TOKEN_MAP
 
     ids = load_token_map(DEMO_TOKEN_MAP, 151936)

@@ -67,8 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from dspark_serve.engine.engine_config import EngineConfig, split_options
 
-    from .config import GatewayConfig, PairConfig
-    from .service import run
+    from ..config import GatewayConfig, PairConfig
+    from ..standalone import run
 
     target = _serve_target(args)
     deployment = dict(placement=args.placement, channel_host=args.channel_host, colocate=args.colocate,
@@ -165,7 +165,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     import grpc
 
-    from .client import DSparkClient
+    from ..grpc_client import DSparkClient
 
     try:
         prompt = _prompt(args)
@@ -219,9 +219,9 @@ def _client_access(args: argparse.Namespace) -> dict:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .loadgen import main as loadgen
+    from .bench import main as bench
 
-    return loadgen(args, _client_access(args))
+    return bench(args, _client_access(args))
 
 
 def _chat_ids(cfg, tokenizer, text: str) -> list[int]:

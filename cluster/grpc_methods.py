@@ -13,7 +13,7 @@ from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from .auth import Access
 from .config import GatewayConfig
-from .handlers import GatewayCore, GatewayError
+from .gateway import GatewayCore, GatewayError
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "dspark.v1.Generation"

@@ -13,10 +13,10 @@ from grpc_reflection.v1alpha import reflection
 
 from .auth import Access
 from .config import GatewayConfig
-from .handlers import GatewayCore
+from .gateway import GatewayCore
+from .grpc_methods import SERVICE_NAME, GenerationServicer, rpc_handlers
 from .health import Health
 from .metrics import GaugeRefresher, PrometheusSink, ServingMetrics
-from .servicer import SERVICE_NAME, GenerationServicer, rpc_handlers
 
 
 class GatewayServer:

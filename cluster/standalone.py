@@ -1,4 +1,5 @@
-"""Run the whole service: Ray (embedded or joined), the draft+verifier pair, the gateway; drain on SIGTERM."""
+"""The standalone service (`dspark-serve serve`; serve_app.py is the Ray Serve one): Ray (embedded or joined), the
+draft+verifier pair, the gateway; drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
 
 
 async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[[Any], None] | None = None) -> None:
-    """`on_ready(server)`: the started server.GatewayServer (its port, its http_port)."""
+    """`on_ready(server)`: the started grpc_server.GatewayServer (its port, its http_port)."""
+    from .grpc_server import GatewayServer
     from .pair import create_pair
-    from .server import GatewayServer
     from .supervisor import PairSupervisor
 
     loop = asyncio.get_running_loop()

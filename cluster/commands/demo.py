@@ -54,7 +54,7 @@ def cpu_dtype() -> str:
 def _start_server(target: Path, draft: Path, cuda: bool, spec_config: str | None,
                   timeout_s: float, colocate: bool | None = None,
                   dtype: str | None = None) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "dspark_serve.cluster.cli", "serve", "--target", str(target), "--draft", str(draft),
+    cmd = [sys.executable, "-m", "dspark_serve.cluster.commands", "serve", "--target", str(target), "--draft", str(draft),
            "--host", "127.0.0.1", "--port", "0", "--max-model-len", "2048", "--num-kv-blocks", "1024"]
     cmd += ["--speculative-config", spec_config] if spec_config else []
     cmd += [] if colocate is None else ["--colocate" if colocate else "--no-colocate"]
@@ -97,7 +97,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from dspark_serve.models.demo import DEMO_DRAFTER
     from dspark_serve.models.fetch import FetchError, fetch_demo_target
 
-    from .client import DSparkClient
+    from ..grpc_client import DSparkClient
 
     if not 1 <= args.num_prompts <= len(PROMPTS):
         print(f"dspark-serve demo: error: --num-prompts must be in [1, {len(PROMPTS)}]", file=sys.stderr)

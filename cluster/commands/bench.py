@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from .client import DSparkClient
+from ..grpc_client import DSparkClient
 
 
 def _prompts(path: str | None, n: int) -> list:
