@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
@@ -162,7 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
     seqs = max([args.accept_batch, *args.concurrency])
     kv = dict(device=args.device, dtype=dtype, max_num_seqs=seqs,
               num_kv_blocks=seqs * -(-(1200 + args.max_tokens) // 16),
-              enforce_eager=args.enforce_eager or None)
+              enforce_eager=args.enforce_eager or None,
+              kernel_config=KernelConfig.from_env("cuda" if cuda else "cpu"))  # DSPARK_<FIELD> for A/B runs
     plain, spec = LLM(args.target, None, **kv), LLM(args.target, args.draft, args.speculative_config, **kv)
     sets = {s: [CHAT_TEMPLATE.format(t) for t in read_prompt_texts(PROMPTS / f"heldout_{s}.jsonl")]
             for s in args.sets}

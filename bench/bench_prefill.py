@@ -1,5 +1,5 @@
-"""Time to first token of one fresh prompt, eager prefill against prefill CUDA graphs (engine/prompt_graphs.py), by
-prompt length and model shape (random weights, plain decoding, batch 1).
+"""Time to first token of one fresh prompt, eager prefill against prefill CUDA graphs
+(engine/runner/prompt_graphs.py), by prompt length and model shape (random weights, plain decoding, batch 1).
 
 usage: python bench/bench_prefill.py [--models 8b 0.5b] [--lens 64 256 1024 1100 2048] [--repeat 5] [--json OUT]
 A graph pads the prompt to its length bucket (up to 1.5x the tokens): for long prompts on a large target the
@@ -18,8 +18,9 @@ import time
 
 import torch
 
+from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.engine.llm import LLM
-from dspark_serve.engine.prompt_graphs import _bucket
+from dspark_serve.engine.runner.buckets import bucket as _bucket
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.qwen import QwenForCausalLM
 
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "torch": torch.__version__, "rows": []}
     for name in args.models:
         llm = LLM(make_target(name, args.device, dtype), None, device=args.device, max_num_seqs=1,
-                  num_kv_blocks=-(-top // 16) + 1, max_model_len=top, eos_token_ids=(), enforce_eager=False)
+                  num_kv_blocks=-(-top // 16) + 1, max_model_len=top, eos_token_ids=(), enforce_eager=False,
+                  kernel_config=KernelConfig.from_env(args.device))  # DSPARK_<FIELD> for A/B runs
         graphs = llm.target.prompts
         if graphs is None:
             raise SystemExit("prompt graphs are off (KernelConfig.prompt_graphs is off): nothing to compare")

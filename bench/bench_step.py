@@ -20,8 +20,9 @@ import time
 
 import torch
 
+from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
-from dspark_serve.engine import draft_side
+from dspark_serve.engine.runner.draft_runner import DENSE_NVFP4_MIN_ROWS
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.config import ModelConfig
@@ -228,23 +229,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG,
                     help=f"JSON with vLLM's names (default: the demo's, {GPU_SPEC_CONFIG})")
     ap.add_argument("--kernels", type=int, default=0, help="also list the top N device kernels (torch.profiler)")
-    ap.add_argument("--dense-min-rows", type=int,
-                    help="NVFP4 draft linears run on their kept bf16 copies from this many rows on "
-                         "(default: engine.draft_side.DENSE_NVFP4_MIN_ROWS)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    if args.dense_min_rows is not None:
-        draft_side.DENSE_NVFP4_MIN_ROWS = args.dense_min_rows
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = random_target(args.device, dtype)
     draft = load_draft(DEMO_DRAFTER, target=target, dtype=dtype, device=args.device)
     kw = dict(device=args.device, max_num_seqs=1, num_kv_blocks=64, max_model_len=1024,
-              eos_token_ids=(), enforce_eager=False)
+              eos_token_ids=(), enforce_eager=False,
+              kernel_config=KernelConfig.from_env(args.device))  # DSPARK_<FIELD> for A/B runs
     plain, spec = LLM(target, None, **kw), LLM(target, draft, args.speculative_config, **kw)
     prompt = torch.randint(0, 151000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                     "torch": torch.__version__, "tokens": args.tokens, "speculative_config": args.speculative_config,
-                    "dense_min_rows": draft_side.DENSE_NVFP4_MIN_ROWS}
+                    "dense_min_rows": DENSE_NVFP4_MIN_ROWS}
     for name, llm in (("plain", plain), ("spec", spec)):
         llm.scheduler.pipeline.step_ahead = False  # the same run without launching the next step ahead, for the ratio
         ms_alone, _ = ms_per_step(llm, prompt, args.tokens)

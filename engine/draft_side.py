@@ -6,27 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dspark_serve.kernels.config import active, use_triton
+from dspark_serve.kernels.config import KernelConfig, use_triton
 from dspark_serve.kernels.markov_walk_ref import markov_walk_ref
 from dspark_serve.models.dspark import DSparkDraft
-from dspark_serve.models.nvfp4_linear import NVFP4Linear, keep_dense_up_to
+from dspark_serve.models.nvfp4_linear import NVFP4Linear
 from dspark_serve.models.token_map import load_token_map, restrict_draft_vocab
 
-from .draft_graphs import DraftGraphs
+from .runner.draft_graphs import DraftGraphs
+from .runner.draft_runner import DraftRunner
 from .drafter import DraftInput, DraftProposal
 from .kv_cache import BlockAllocator, batch_metadata, positions_of
 from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
-
-DENSE_NVFP4_MAX_BYTES = 512 << 20  # NVFP4 drafts whose bf16 copies fit keep them (NVFP4Linear.keep_dense) ...
-DENSE_NVFP4_MAX_FRACTION = 0.02  # ... or fit in this share of the GPU's memory (an 8B draft's 1.2 GB on an H200)
-DENSE_NVFP4_MIN_ROWS = 17  # ... and use them from this many rows on (measured: the GEMV wins at the draft's 7)
-
-
-def quantize_lm_head(model: DSparkDraft, spec: SpeculativeConfig) -> bool:
-    """Whether the draft's bf16 lm_head (usually the target's, shared) gets a 4-bit copy for drafting."""
-    head = model.lm_head
-    return spec.dspark_quantize_lm_head and type(head) is torch.nn.Linear and head.in_features % 16 == 0
 
 
 def _walk_fn(t: Tensor):
@@ -41,7 +32,7 @@ class DraftSide:
     """Owns the draft model, its paged context K/V cache and block pool."""
 
     def __init__(self, model: DSparkDraft, num_blocks: int, block_size: int, spec: SpeculativeConfig,
-                 target_vocab: int) -> None:
+                 target_vocab: int, kernels: KernelConfig | None = None) -> None:
         spec.validate(block_limit=model.config.num_speculative_tokens)
         if spec.dspark_token_map is not None:
             restrict_draft_vocab(model, load_token_map(spec.dspark_token_map, target_vocab), target_vocab)
@@ -49,19 +40,7 @@ class DraftSide:
         self.model, self.spec, self.block_size, self.target_vocab = model, spec, block_size, target_vocab
         self.num_speculative_tokens = spec.num_speculative_tokens or cfg.num_speculative_tokens
         self.device = model.fc.weight.device
-        if quantize_lm_head(model, spec):
-            head = model.lm_head
-            model.lm_head = NVFP4Linear.from_linear(head)
-            model.lm_head.use_source_from(head.weight, DENSE_NVFP4_MIN_ROWS)
-        if self.device.type == "cuda":
-            model.fuse_projections()
-            budget = max(DENSE_NVFP4_MAX_BYTES,
-                         int(DENSE_NVFP4_MAX_FRACTION * torch.cuda.get_device_properties(self.device).total_memory))
-            keep_dense_up_to(model.modules(), budget, DENSE_NVFP4_MIN_ROWS)
-            if active().gemv_prmt:  # the GEMV's inline-PTX decode reads bf16 block scales
-                for mod in model.modules():
-                    if isinstance(mod, NVFP4Linear):
-                        mod.keep_bf16_scales()
+        self.runner = DraftRunner(model, kernels, spec.dspark_quantize_lm_head)  # prepared for its device
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded rows
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: DraftGraphs | None = None
@@ -110,7 +89,7 @@ class DraftSide:
         ids = torch.full((num_reqs, q_len), cfg.mask_token_id, dtype=torch.int64, device=dev)
         ids[:, 0] = inp.anchors.to(dev)
         meta = batch_metadata(tables, anchor_pos, [q_len] * num_reqs, self.block_size, dev, causal=False)
-        hidden = m.block_hidden(ids.flatten(), positions_of(anchor_pos, [q_len] * num_reqs, dev), meta,
+        hidden = self.runner.block_hidden(ids.flatten(), positions_of(anchor_pos, [q_len] * num_reqs, dev), meta,
                                 self.cache).view(num_reqs, q_len, -1)
         first = 0 if cfg.anchor_first else 1
         hidden = hidden[:, first:first + n]  # [R, N, H]: row k drafts position anchor_pos + 1 + k
@@ -133,7 +112,7 @@ class DraftSide:
         """Eagerly: context K/V of lens[i] new rows at positions starts[i].. (features [sum(lens), F])."""
         meta = batch_metadata(tables, starts, lens, self.block_size, self.device)
         pos = positions_of(starts, lens, self.device)
-        self.model.write_context(features.to(self.device), pos, meta.slot_mapping, self.cache, meta.all_slots_valid)
+        self.runner.write_context(features.to(self.device), pos, meta.slot_mapping, self.cache, meta.all_slots_valid)
 
     def markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
                      anchor_pos: Tensor, need_q: bool) -> DraftProposal:

@@ -3,7 +3,7 @@ CUDA graphs' outputs and the step's working memory. Pure arithmetic; the engine 
 
 from __future__ import annotations
 
-from .cuda_graphs import MAX_GRAPH_TOKENS, WARM_CONTEXT, GraphBuckets
+from .runner.buckets import MAX_GRAPH_TOKENS, WARM_CONTEXT, GraphBuckets
 
 WORKSPACE_BYTES = 1 << 30  # activations, prefill temporaries, the allocator's slack
 TILED_SHARE = 0.02  # tile-major copies the runner may add (they are kept when within 2 % of the GPU)

@@ -94,7 +94,8 @@ class LLM:
             raise ValueError("give the target: a checkpoint directory (cfg.target) or the model (target_model)")
         self.config = cfg
         spec, device, dtype = cfg.speculative_config, cfg.resolved_device(), cfg.torch_dtype()
-        install_kernels(cfg.kernel_config(device))
+        kernels = cfg.kernel_config(device)
+        install_kernels(kernels)
         self.tokenizer = None
         if target_model is not None:
             target_model = target_model.to(device)
@@ -117,8 +118,8 @@ class LLM:
             (draft_side.num_speculative_tokens if draft_side is not None else 0)
         num_kv_blocks = self._kv_blocks(cfg.num_kv_blocks, cfg.gpu_memory_utilization, target_model, draft_model,
                                         block_size, max_num_seqs, drafts)
-        self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture)
-        draft_side = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size) \
+        self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture, kernels=kernels)
+        draft_side = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size, kernels) \
             if draft_model is not None else draft_side
         lookahead = 1 + (max(draft_side.num_speculative_tokens, draft_side.query_len - 1) if draft_side else 0)
         self.spec = spec

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dspark_serve.kernels.config import active
+from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.models.qwen import QwenForCausalLM
 
-from .cuda_graphs import TargetGraphs
 from .kv_cache import BlockAllocator, batch_metadata, positions_of
-from . import prompt_graphs
+from .runner.prompt_graphs import PromptGraphs
+from .runner.target_graphs import TargetGraphs
+from .runner.target_runner import TargetRunner
 from .request import Request
 
 
@@ -18,28 +19,24 @@ class TargetSide:
     """Owns the target model, its paged KV cache and block pool."""
 
     def __init__(self, model: QwenForCausalLM, num_blocks: int, block_size: int,
-                 capture_layers: tuple[int, ...] = ()) -> None:
+                 capture_layers: tuple[int, ...] = (), kernels: KernelConfig | None = None) -> None:
         self.model, self.block_size, self.capture_layers = model, block_size, capture_layers
         self.device = model.lm_head.weight.device
-        if self.device.type == "cuda":
-            model.fuse_projections()  # one GEMM for q/k/v and one for gate/up
+        self.runner = TargetRunner(model, kernels)  # prepared for its device
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded tokens
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.graphs: TargetGraphs | None = None
-        self.prompts: prompt_graphs.PromptGraphs | None = None
-        # Launch the next step before the host's bookkeeping of this one (engine/spec_step.py, _step_ahead).
-        self.step_ahead = self.device.type == "cuda"
-        self.ahead = None  # the step launched ahead (spec_step.Launched)
+        self.prompts: PromptGraphs | None = None
 
     def use_static_shapes(self, query_lens: tuple[int, ...], max_model_len: int, capture: bool | None = None) -> None:
         """Decode/verify steps that fit a bucket, and the prefill of a few fresh prompts, run with static shapes (as
         CUDA graphs on CUDA)."""
         trash = self.allocator.num_blocks * self.block_size
-        self.graphs = TargetGraphs(self.model, self.cache, self.block_size, trash, query_lens, max_model_len,
+        self.graphs = TargetGraphs(self.runner, self.cache, self.block_size, trash, query_lens, max_model_len,
                                    self.capture_layers, capture=capture)
-        kernels = active()
-        self.prompts = prompt_graphs.PromptGraphs(self.model, self.cache, self.block_size, trash, max_model_len,
-                                                  self.capture_layers, capture, kernels.prompt_graph_work) \
+        kernels = self.runner.kernels
+        self.prompts = PromptGraphs(self.runner, self.cache, self.block_size, trash, max_model_len,
+                                    self.capture_layers, capture, kernels.prompt_graph_work) \
             if kernels.prompt_graphs else None
 
     def warm_up(self, max_batch: int = 1) -> int:
@@ -93,17 +90,17 @@ class TargetSide:
             return self._run_static(reqs, starts, tokens, shape)[:2]
         meta = batch_metadata([r.target_blocks for r in reqs], starts, lens, self.block_size, self.device)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
-        hidden, feats = self.model(ids, positions_of(starts, lens, self.device), meta, self.cache,
-                                   capture_layers=self.capture_layers)
+        hidden, feats = self.runner.forward(ids, positions_of(starts, lens, self.device), meta, self.cache,
+                                            capture_layers=self.capture_layers)
         cu = meta.cu_seqlens_q
         if last_only:
-            logits = self.model.compute_logits(hidden[cu[1:] - 1])[:, None]  # [R, 1, V]
+            logits = self.runner.compute_logits(hidden[cu[1:] - 1])[:, None]  # [R, 1, V]
         else:
             width = max(lens)
             req = torch.repeat_interleave(torch.arange(len(reqs), device=self.device), cu[1:] - cu[:-1])
             off = torch.arange(ids.shape[0], device=self.device) - cu[req]
             logits = hidden.new_zeros(len(reqs), width, self.vocab_size, dtype=torch.float32)
-            logits[req, off] = self.model.compute_logits(hidden)
+            logits[req, off] = self.runner.compute_logits(hidden)
         offsets = [0]
         for n in lens:
             offsets.append(offsets[-1] + n)

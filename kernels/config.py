@@ -62,8 +62,8 @@ class KernelConfig:
     pdl: bool = True
     # Fresh prompts longer than 16 tokens attend with one causal SDPA instead of the paged reference.
     prompt_sdpa: bool = True
-    # Prefills of fresh prompts replay CUDA graphs (engine/prompt_graphs.py) while their padded tokens x one layer's
-    # weights stay within `prompt_graph_work` (inf: no limit).
+    # Prefills of fresh prompts replay CUDA graphs (engine/runner/prompt_graphs.py) while their padded tokens x one
+    # layer's weights stay within `prompt_graph_work` (inf: no limit).
     prompt_graphs: bool = True
     prompt_graph_work: float = 1.6e11
 
@@ -172,11 +172,11 @@ def using(cfg: KernelConfig) -> Iterator[KernelConfig]:
         install(before)
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """Inference on bf16/fp32 CUDA tensors takes the Triton kernels unless the config says triton=False or Triton is
-    missing; CPU tensors take them only with triton=True (under Triton's interpreter). Autograd always takes the
-    references (the kernels have no backward)."""
-    mode = _active.triton
+def use_triton(t: torch.Tensor, cfg: KernelConfig | None = None) -> bool:
+    """Inference on bf16/fp32 CUDA tensors takes the Triton kernels unless the config (default: the installed one)
+    says triton=False or Triton is missing; CPU tensors take them only with triton=True (under Triton's
+    interpreter). Autograd always takes the references (the kernels have no backward)."""
+    mode = (cfg or _active).triton
     if mode is False or not HAVE_TRITON or torch.is_grad_enabled() or t.dtype not in (torch.bfloat16, torch.float32):
         return False
     return t.is_cuda or mode is True

@@ -16,10 +16,10 @@ weights before `pdl_wait` (weights are constants). Epilogue: + bias, one bf16 ro
 are gate rows and its rows g + 8 the matching up rows (I rows on), so a lane holds gate and up of the same (m, n) and
 writes silu_mul's value with its roundings: the MLP needs no silu_mul launch.
 
-Tile-major weights (`tile_major`; models/layers.keep_tile_major decides when a copy is kept next to the row-major
-weight) put each tile's chunk, 16 rows x 128 K, into 4 contiguous KB in the order the lanes read it, so one load
-instruction of a warp reads 512 contiguous bytes instead of 64 bytes of 8 rows; the registers, and so the results,
-are the same.
+Tile-major weights (`tile_major`; engine/runner/fused_layers.keep_tile_major decides when a copy is kept next to
+the row-major weight) put each tile's chunk, 16 rows x 128 K, into 4 contiguous KB in the order the lanes read it, so
+one load instruction of a warp reads 512 contiguous bytes instead of 64 bytes of 8 rows; the registers, and so the
+results, are the same.
 CUDA sm_90 only (inline PTX); the reference is gemv_bf16.gemv_ref.
 """
 

@@ -7,10 +7,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark_serve.kernels.attention import AttentionMetadata, store_kv
-from dspark_serve.kernels.config import use_triton
 
 from .draft_config import DraftConfig
-from .layers import RMSNorm, Rotary, keep_tile_major
+from .layers import RMSNorm, Rotary
 from .qwen import DecoderLayer, run_layers
 
 
@@ -58,69 +57,24 @@ class DSparkDraft(nn.Module):
 
     def write_context(self, features: Tensor, positions: Tensor, slot_mapping: Tensor, kv_cache: Tensor,
                       all_slots_valid: bool = False) -> None:
-        """Target features [T, len(target_layer_ids) * target_hidden] -> context K/V of every layer at `positions`.
-
-        One GEMM over all layers' stacked [Wk; Wv], then each layer's k_norm, RoPE and cache write (one Triton
-        kernel per layer on the fast path); NOTE: no input_layernorm on the context. all_slots_valid: no -1 in
-        slot_mapping (the reference path then needs no mask and no host sync; the kernel skips negative slots).
-        """
-        hn = self.hidden_norm
-        fc = self.fc(features.to(hn.weight.dtype))
-        fast = use_triton(fc)
-        if fast:
-            from dspark_serve.kernels.fused_ops import qk_norm_rotary, rms_norm
-        ctx = rms_norm(fc, hn.weight, hn.eps) if fast else hn(fc)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
-        w, b = self._fused_kv()
-        c = self.config.layers
-        kv = F.linear(ctx, w, b).view(ctx.shape[0], len(self.layers), 2, c.num_kv_heads, c.head_dim)
-        for i, layer in enumerate(self.layers):
-            norm, k, v = layer.self_attn.k_norm, kv[:, i, 0], kv[:, i, 1]  # [T, KV, D]
-            if fast:  # no query heads: the kernel's k half only, written to the cache with v in the same launch
-                kw = norm.weight if norm is not None else None
-                qk_norm_rotary(k[:, :0], k, cos, sin, kw, kw, norm.eps if norm is not None else 0.0,
-                               (v, kv_cache[i, 0], kv_cache[i, 1], slot_mapping))
-            else:
-                k = Rotary.apply(norm(k) if norm is not None else k, cos, sin)
-                store_kv(k, v, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, all_slots_valid)
-
-    def write_context_per_layer(self, features: Tensor, positions: Tensor, slot_mapping: Tensor,
-                                kv_cache: Tensor) -> None:
-        """Same as write_context with one k/v projection per layer (the reference for the fused path)."""
-        ctx = self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))
+        """Target features [T, len(target_layer_ids) * target_hidden] -> context K/V of every layer at `positions`:
+        fc -> hidden_norm -> each layer's k/v projection, k_norm and RoPE -> the cache (no input_layernorm on the
+        context). all_slots_valid: no -1 in slot_mapping (no mask and no host sync needed)."""
+        ctx = self.context(features)
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_value(ctx, cos, sin)
-            store_kv(k, v, kv_cache[i, 0], kv_cache[i, 1], slot_mapping)
+            store_kv(k, v, kv_cache[i, 0], kv_cache[i, 1], slot_mapping, all_slots_valid)
 
-    def _fused_kv(self) -> tuple[Tensor, Tensor | None]:
-        """[num_layers * 2 * kv_size, hidden]: per layer its k then v rows; cached for inference (rebuilt when the
-        weights are replaced, not when they are updated in place)."""
-        key = tuple((l.self_attn.k_proj.weight.data_ptr(), l.self_attn.k_proj.weight.device) for l in self.layers)
-        if getattr(self, "_fused_key", None) != key:
-            attns = [l.self_attn for l in self.layers]
-            dt = self.hidden_norm.weight.dtype  # NVFP4 k/v projections are dequantized once into the fused weight
-            dense = [p.weight if isinstance(p, nn.Linear) else p.dequantized_weight(dt)
-                     for a in attns for p in (a.k_proj, a.v_proj)]
-            self._fused = torch.cat(dense).detach()
-            has_bias = attns[0].k_proj.bias is not None
-            self._fused_bias = torch.cat([b for a in attns for b in (a.k_proj.bias, a.v_proj.bias)]).detach() \
-                if has_bias else None
-            self._fused_key = key
-        return self._fused, self._fused_bias
+    def context(self, features: Tensor) -> Tensor:
+        """Target features -> the normed context rows [T, hidden] the layers project to K/V."""
+        return self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))
 
     def block_hidden(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """Query block tokens [R * Q] (non-causal `meta`) -> final-normed hidden [R * Q, hidden]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         return run_layers(self.layers, x, cos, sin, kv_cache, meta, self.norm, {})
-
-    def fuse_projections(self) -> None:
-        """DecoderLayer.fuse for every layer (NVFP4 projections stay separate), with tile-major copies of bf16 ones
-        where layers.keep_tile_major says so."""
-        tiled = keep_tile_major(self.layers)
-        for layer in self.layers:
-            layer.fuse(tiled)
 
     def base_logits(self, hidden: Tensor) -> Tensor:
         """[.., hidden] -> U [.., draft_vocab] fp32, times logit_scale."""

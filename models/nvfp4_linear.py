@@ -3,7 +3,6 @@
 Forward runs the fused Triton W4A16 GEMM on CUDA and the dequantize + matmul reference on CPU.
 """
 
-from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +11,6 @@ from torch import Tensor, nn
 from dspark_serve.kernels import nvfp4
 from dspark_serve.kernels.nvfp4_ref import GROUP_SIZE, check_packed
 
-from .views import concat_as_views
 
 
 class NVFP4Linear(nn.Module):
@@ -98,44 +96,4 @@ class NVFP4Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, nvfp4 (group 16)"
 
-
-def keep_dense_up_to(modules: Iterable[nn.Module], max_bytes: int, min_rows: int = 17) -> int:
-    """keep_dense(min_rows=min_rows) on every NVFP4Linear among `modules` without a dense weight yet (see
-    use_source_from) when their bf16 copies fit in `max_bytes` together (a small draft then runs at bf16 speed from
-    min_rows rows on); -> the bytes kept (0 when they do not fit)."""
-    layers = [m for m in modules if isinstance(m, NVFP4Linear) and getattr(m, "_dense", None) is None]
-    need = sum(2 * m.in_features * m.out_features for m in layers)
-    if not layers or need > max_bytes:
-        return 0
-    for m in layers:
-        m.keep_dense(min_rows=min_rows)
-    return need
-
-
-class NVFP4Stack:
-    """NVFP4 layers sharing an input (q/k/v, gate/up) as one [sum N, K] weight for the mma GEMV, which scales each
-    output row by its own layer's weight_scale_2; their buffers become views into the stack. Other shapes (one
-    row, more than 16, CPU) run the layers one by one and concatenate."""
-
-    def __init__(self, layers: list[NVFP4Linear]) -> None:
-        k = layers[0].in_features
-        if any(m.in_features != k for m in layers):
-            raise ValueError(f"stacked NVFP4 layers need one in_features, got {[m.in_features for m in layers]}")
-        if len({m.bias is None for m in layers}) > 1:  # checked before any buffer is re-pointed
-            raise ValueError("stacked NVFP4 layers need a bias on all of them or on none")
-        self.layers = layers  # they stay where they are in the model (a plain object: nothing is registered twice)
-        self.out_features = sum(m.out_features for m in layers)
-        self.weight = concat_as_views([m.weight for m in layers])
-        self.weight_scale = concat_as_views([m.weight_scale for m in layers])
-        self.row_scale = torch.cat([m.weight_scale_2.float().expand(m.out_features) for m in layers])
-        self.bias = torch.cat([m.bias.detach() for m in layers]) if layers[0].bias is not None else None
-
-    def __call__(self, x: Tensor) -> Tensor:  # [T, K] -> [T, sum N]
-        out = None
-        if x.is_cuda:
-            from dspark_serve.kernels.w4a16_gemv import stacked_gemv
-            out = stacked_gemv(x, self.weight, self.weight_scale, self.row_scale)
-        if out is None:
-            return torch.cat([layer(x) for layer in self.layers], -1)
-        return out if self.bias is None else out + self.bias
 

@@ -5,14 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dspark_serve.kernels.attention import AttentionMetadata, paged_attention, prompt_attention, store_kv
-from dspark_serve.kernels.config import active, use_triton
+from dspark_serve.kernels.attention import AttentionMetadata, paged_attention, store_kv
 
 from .config import ModelConfig
-from .layers import MLP, AttentionProjections, RMSNorm, Rotary, keep_tile_major
-
-
-MAX_TRITON_QUERY = 16  # = paged_attention_triton.MAX_QUERY_LEN (not imported here: Triton is optional)
+from .layers import MLP, AttentionProjections, RMSNorm, Rotary
 
 
 class DecoderLayer(nn.Module):
@@ -34,55 +30,15 @@ class DecoderLayer(nn.Module):
         x = x + attn.o_proj(o.reshape(x.shape[0], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def fuse(self, tiled: bool = False) -> None:
-        """q/k/v and gate/up each as one GEMM for inference (parameters become views; after moving the model);
-        `tiled`: with tile-major copies for verify rows (layers._tiled_copy)."""
-        self.self_attn.fuse(tiled)
-        self.mlp.fuse(tiled)
-
-    def forward_fused(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor,
-                      meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
-        """forward() on the Triton kernels, residual adds fused into the norms: x is the previous layer's MLP output
-        not yet added to `residual` (None before the first layer) -> (this layer's MLP output, its residual)."""
-        attn, ln = self.self_attn, self.input_layernorm
-        q, residual = attn.qkv_fused(x, (ln.weight, ln.eps, residual), cos, sin, kv_cache[0], kv_cache[1],
-                                     meta.slot_mapping)  # k, v go to the cache
-        o = attention(q, kv_cache[0], kv_cache[1], meta, attn.scale)  # [T, H, D]
-        ln = self.post_attention_layernorm
-        return self.mlp.forward_normed(attn.output(o.reshape(x.shape[0], -1)), (ln.weight, ln.eps, residual))
-
-
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """The Triton paged attention for decode/verify/draft-block queries (<= 16 per sequence), SDPA over fresh
-    prompts, else the reference."""
-    if meta.max_query_len <= MAX_TRITON_QUERY:
-        from dspark_serve.kernels.paged_attention_triton import paged_attention_triton
-
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    if meta.prompt_lens and active().prompt_sdpa:
-        return prompt_attention(q, k_cache, v_cache, meta, scale)
-    return paged_attention(q, k_cache, v_cache, meta, scale)
-
 
 def run_layers(layers: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                final_norm: RMSNorm, want: dict[int, Tensor | None]) -> Tensor:
-    """The decoder stack -> final-normed hidden; fills want[i] with layer i's residual output. Triton kernels on
-    CUDA at inference (kernels/config.py), the reference modules otherwise."""
-    if not use_triton(x):
-        for i, layer in enumerate(layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
-            if i in want:
-                want[i] = x
-        return final_norm(x)
-    from dspark_serve.kernels.fused_ops import rms_norm
-
-    residual = None
+    """The decoder stack -> final-normed hidden; fills want[i] with layer i's residual output."""
     for i, layer in enumerate(layers):
-        x, residual = layer.forward_fused(x, residual, cos, sin, kv_cache[i], meta)
+        x = layer(x, cos, sin, kv_cache[i], meta)
         if i in want:
-            want[i] = x + residual
-    w, eps = final_norm.weight, final_norm.eps
-    return rms_norm(x, w, eps) if residual is None else rms_norm(x, w, eps, residual)[0]
+            want[i] = x
+    return final_norm(x)
 
 
 class QwenModel(nn.Module):
@@ -129,15 +85,6 @@ class QwenForCausalLM(nn.Module):
         captured = torch.cat([want[i] for i in capture_layers], dim=-1) if capture_layers else None
         return hidden, captured
 
-    def fuse_projections(self) -> None:
-        """DecoderLayer.fuse for every layer, with tile-major copies where layers.keep_tile_major says so."""
-        tiled = keep_tile_major(self.model.layers)
-        for layer in self.model.layers:
-            layer.fuse(tiled)
-
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[T, hidden] -> [T, vocab] fp32 (with KernelConfig.lm_head_gemv, decode rows through the Triton GEMVs)."""
-        if active().lm_head_gemv and hidden.is_cuda:
-            from dspark_serve.kernels.gemv_bf16 import linear
-            return linear(hidden, self.lm_head.weight).float()
+        """[T, hidden] -> [T, vocab] fp32."""
         return self.lm_head(hidden).float()

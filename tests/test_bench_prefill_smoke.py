@@ -7,15 +7,15 @@ import pytest
 import torch
 from bench_scripts import BENCH
 
-from dspark_serve.engine import prompt_graphs
+from dspark_serve.engine.runner import prompt_graphs
 from dspark_serve.kernels.config import KernelConfig
 
 
-def test_bench_prefill_tiny_runs_and_reports(tmp_path, monkeypatch, kernel_config):
+def test_bench_prefill_tiny_runs_and_reports(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # the script imports its siblings bench_gpu and bench_step
     import bench_prefill
     w = prompt_graphs.layer_weights(bench_prefill.make_target("tiny", "cpu", torch.float32).config)
-    kernel_config(prompt_graph_work=48 * w)  # buckets 32 and 48 take graphs, 64 runs eagerly
+    monkeypatch.setenv("DSPARK_PROMPT_GRAPH_WORK", str(48 * w))  # buckets 32 and 48 take graphs, 64 eagerly
     out = tmp_path / "r.json"
     bench_prefill.main(["--device", "cpu", "--models", "tiny", "--lens", "5", "40", "60", "--repeat", "1",
                         "--json", str(out)])

@@ -145,13 +145,16 @@ def test_block_layouts_from_each_format():
     assert (spec.anchor_first, spec.block_size, spec.draft_vocab_size) == (True, 8, 100)
 
 
-def test_fused_context_kv_equals_per_layer(target):
+def test_stacked_context_kv_equals_per_layer(target):
+    """The runner's one GEMM over every layer's [Wk; Wv] writes the K/V the model's per-layer projections do."""
+    from dspark_serve.engine.runner.draft_runner import DraftRunner
+
     cfg = draft_config()
     draft = random_draft(cfg, target, seed=5)
     feats = torch.randn(9, cfg.context_dim)
     meta = metadata([0], [9], BLOCK, PER_SEQ)
     caches = [draft.allocate_kv_cache(PER_SEQ, BLOCK) for _ in range(2)]
     with torch.no_grad():
-        draft.write_context(feats, torch.arange(9), meta.slot_mapping, caches[0])
-        draft.write_context_per_layer(feats, torch.arange(9), meta.slot_mapping, caches[1])
+        DraftRunner(draft).write_context(feats, torch.arange(9), meta.slot_mapping, caches[0])
+        draft.write_context(feats, torch.arange(9), meta.slot_mapping, caches[1])
     assert caches[0].abs().sum() > 0 and torch.allclose(caches[0], caches[1], atol=1e-6)

@@ -88,20 +88,17 @@ def test_cpu_operands_keep_the_reference():
         gm._launch(x, w, None, gm.MmaDenseConfig(3, 4, 2), False)
 
 
-def test_tiled_copies_need_cuda_bf16_weights(monkeypatch):
+def test_tiled_copies_need_cuda_bf16_weights():
     """Tile-major copies on a CPU model (or fp32, or shapes the kernel cannot tile) are never kept: fuse() stays
     free of extra memory there; KernelConfig.dense_tiled's default keeps them only for CUDA bf16 weights."""
-    from dspark_serve.kernels.config import KernelConfig, using
-    from dspark_serve.models.layers import MLP, _tiled_copy, keep_tile_major
-    mlp = MLP(256, 512).to(torch.bfloat16)
-    mlp.fuse(tiled=True)
-    assert mlp._gate_up is not None and mlp._tiled == (None, None)
-    assert _tiled_copy(torch.randn(64, 256)) is None and _tiled_copy(None) is None
-    assert _tiled_copy(torch.randn(64, 256).bfloat16()) is None
+    from dspark_serve.engine.runner.fused_layers import FusedMLP, keep_tile_major, tiled_copy
+    from dspark_serve.kernels.config import KernelConfig
+    from dspark_serve.models.layers import MLP
+    fused = FusedMLP.of(MLP(256, 512).to(torch.bfloat16), tiled=True)
+    assert fused.gate_up is not None and fused.tiled == (None, None)
+    assert tiled_copy(torch.randn(64, 256)) is None and tiled_copy(None) is None
+    assert tiled_copy(torch.randn(64, 256).bfloat16()) is None
     layers = torch.nn.ModuleList([MLP(256, 512).to(torch.bfloat16)])
-    with using(KernelConfig(dense_tiled=None)):
-        assert not keep_tile_major(layers)  # no CUDA weights
-    with using(KernelConfig(dense_tiled=True)):
-        assert keep_tile_major(layers)
-    with using(KernelConfig(dense_tiled=False)):
-        assert not keep_tile_major(layers)
+    assert not keep_tile_major(layers, KernelConfig(dense_tiled=None))  # no CUDA weights
+    assert keep_tile_major(layers, KernelConfig(dense_tiled=True))
+    assert not keep_tile_major(layers, KernelConfig(dense_tiled=False))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dspark_serve.engine.cuda_graphs import GraphBuckets
+from dspark_serve.engine.runner.buckets import GraphBuckets
 from dspark_serve.engine.kv_sizing import (TILED_SHARE, WORKSPACE_BYTES, block_bytes, graph_reserve_bytes,
                                            kv_blocks_for_memory)
 

@@ -143,7 +143,8 @@ def test_kept_dense_copy_gives_the_dequant_path_bit_for_bit():
     """NVFP4Linear.keep_dense: the M > 16 GEMM on the kept bf16 temporary equals dequantizing it per call, and
     keep_dense_up_to keeps nothing over its byte limit."""
     from dspark_serve.kernels.w4a16_gemm import dense_unit_matmul, w4a16_dequant_matmul
-    from dspark_serve.models.nvfp4_linear import NVFP4Linear, keep_dense_up_to
+    from dspark_serve.engine.runner.draft_runner import keep_dense_up_to
+    from dspark_serve.models.nvfp4_linear import NVFP4Linear
     torch.manual_seed(0)
     layers = [NVFP4Linear.from_linear(torch.nn.Linear(64, n)) for n in (48, 32)]
     assert keep_dense_up_to(layers, 2 * 64 * 80 - 1) == 0 and getattr(layers[0], "_dense", None) is None
@@ -160,7 +161,7 @@ def test_kept_dense_copy_gives_the_dequant_path_bit_for_bit():
 def test_nvfp4_stack_shares_the_layers_storage():
     """NVFP4Stack: one [sum N, K] weight whose rows are the layers' own buffers (views), each row scaled by its
     layer's weight_scale_2; off the mma path (here: CPU) it is the layers' outputs concatenated."""
-    from dspark_serve.models.nvfp4_linear import NVFP4Stack
+    from dspark_serve.engine.runner.nvfp4_stack import NVFP4Stack
     torch.manual_seed(0)
     layers = [NVFP4Linear.from_linear(torch.nn.Linear(64, n).requires_grad_(False)) for n in (48, 16, 16)]
     for i, lay in enumerate(layers):

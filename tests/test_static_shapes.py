@@ -1,5 +1,6 @@
-"""Static-shape decode/verify (engine/cuda_graphs.py) run eagerly on CPU: the same logits and the same outputs as
-the dynamic path, with padded batches, padded verify rows, context buckets crossed mid-request, and KV growth."""
+"""Static-shape decode/verify (engine/runner/target_graphs.py) run eagerly on CPU: the same logits and the same
+outputs as the dynamic path, with padded batches, padded verify rows, context buckets crossed mid-request, and KV
+growth."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def test_prompt_graphs_leave_compute_bound_prefills_eager():
 
 
 def _padding_only_capture(caches: list[torch.Tensor], live: int, pools: list):
-    """A stand-in for cuda_graphs.capture on CPU: runs forward once, as the real one's warm-up does, and checks
+    """A stand-in for runner.capture.capture on CPU: runs forward once, as the real one's warm-up does, and checks
     that the run left every live cache block alone (the static inputs held padding, bound for the trash block)."""
     def fake(forward, pool):
         before = [c.clone() for c in caches]
@@ -143,7 +144,7 @@ def test_capture_runs_on_padding_and_restores_the_step(monkeypatch, fails):
     """The capture path of all three graph kinds (prompt, verify, draft), which only CUDA takes: the capture runs
     see padding only, then the step's own inputs are back, so outputs equal the dynamic path's; a capture that
     fails warns and leaves the static path running eagerly."""
-    from dspark_serve.engine import cuda_graphs
+    from dspark_serve.engine.runner import capture as cuda_graphs, target_graphs
     from dspark_serve.engine.draft_side import DraftSide
     from dspark_serve.engine.drafter import DraftInput
     from dspark_serve.engine.spec_config import SpeculativeConfig
@@ -201,7 +202,7 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
     """warm_up() records the batch-1 graphs up front (the engine does at start on CUDA): every prefill bucket one
     prompt takes, decode and verify at every context bucket, the draft's greedy and sampling graphs; on padding,
     so no live cache block changes; the first requests then replay them, with the dynamic path's outputs."""
-    from dspark_serve.engine import cuda_graphs
+    from dspark_serve.engine.runner import capture as cuda_graphs, target_graphs
     from dspark_serve.engine.draft_side import DraftSide
     from dspark_serve.engine.drafter import DraftInput
     from dspark_serve.engine.spec_config import SpeculativeConfig
@@ -277,7 +278,7 @@ def test_static_draft_proposal_matches_dynamic(topk):
 def test_warm_up_records_every_batch_bucket_up_to_a_context(monkeypatch):
     """warm_up(max_batch) records every batch bucket up to max_batch's at contexts up to WARM_CONTEXT, and batch 1
     beyond it (longer contexts' larger batches are recorded on first use)."""
-    from dspark_serve.engine import cuda_graphs
+    from dspark_serve.engine.runner import capture as cuda_graphs, target_graphs
     from dspark_serve.engine.draft_side import DraftSide
     from dspark_serve.engine.spec_config import SpeculativeConfig
 
@@ -285,8 +286,8 @@ def test_warm_up_records_every_batch_bucket_up_to_a_context(monkeypatch):
     side = TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids)
     dside = DraftSide(draft, 64, 8, SpeculativeConfig(dspark_draft_topk=8), 256)
     monkeypatch.setattr(cuda_graphs, "capture", _padding_only_capture([side.cache, dside.cache], 64, []))
-    monkeypatch.setattr(cuda_graphs, "WARM_CONTEXT", 256)
-    monkeypatch.setattr(sys.modules["dspark_serve.engine.draft_graphs"], "WARM_CONTEXT", 256)
+    monkeypatch.setattr(target_graphs, "WARM_CONTEXT", 256)
+    monkeypatch.setattr(sys.modules["dspark_serve.engine.runner.draft_graphs"], "WARM_CONTEXT", 256)
     side.use_static_shapes((1, 4), max_model_len=600, capture=True)
     dside.use_static_shapes(max_model_len=600, capture=True)
     side.graphs.warm_up(3), dside.graphs.warm_up(3)

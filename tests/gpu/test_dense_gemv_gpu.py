@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dspark_serve.kernels.gemv_bf16 import gemv
+from dspark_serve.engine.runner.fused_layers import FusedAttention, FusedLayer, FusedMLP
 from dspark_serve.models.layers import MLP
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -40,26 +41,25 @@ def test_gemv_in_cuda_graph():
 def test_fused_mlp_and_o_proj_take_it(monkeypatch, kernel_config):
     from dspark_serve.models.config import ModelConfig
     from dspark_serve.models.layers import AttentionProjections
-    mlp = MLP(512, 1536).to(DEV, torch.bfloat16)
-    mlp.fuse()
+    mlp = FusedMLP.of(MLP(512, 1536).to(DEV, torch.bfloat16), tiled=False)
     x = torch.randn(7, 512, device=DEV).bfloat16()
     cfg = ModelConfig(arch="qwen3", vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=1,
                       num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, max_position=512,
                       tie_word_embeddings=False, dtype=torch.bfloat16)
-    attn = AttentionProjections(cfg).to(DEV, torch.bfloat16)
+    attn = FusedAttention.of(AttentionProjections(cfg).to(DEV, torch.bfloat16), tiled=False)
     o = torch.randn(7, 512, device=DEV).bfloat16()
     kernel_config(dense_mma=False)                   # (7 rows would take the mma GEMV)
     kernel_config(dense_gemv=False)
-    mlp_off, o_off = mlp.forward_fused(x), attn.output(o)
+    mlp_off, o_off = mlp.forward(x), attn.output(o)
     kernel_config(dense_gemv=True)
     from dspark_serve.kernels import gemv_bf16
     calls = []
     monkeypatch.setattr(gemv_bf16, "gemv", lambda x, *a, **kw: calls.append(x.shape) or gemv(x, *a, **kw))
-    mlp_on, o_on = mlp.forward_fused(x), attn.output(o)
+    mlp_on, o_on = mlp.forward(x), attn.output(o)
     assert calls == []                                                  # 7 rows: cuBLAS
-    mlp.forward_fused(x[:1]), attn.output(o[:1])
+    mlp.forward(x[:1]), attn.output(o[:1])
     assert calls == [(1, 512), (1, 1536), (1, 512)]                     # gate/up, down (after silu_mul), o
-    assert _rel(mlp.forward_fused(x[:1]), mlp_off[:1].double()) <= 1e-2
+    assert _rel(mlp.forward(x[:1]), mlp_off[:1].double()) <= 1e-2
     assert torch.equal(mlp_on, mlp_off) and torch.equal(o_on, o_off)
 
 
@@ -75,7 +75,7 @@ def test_swiglu_epilogue_is_silu_mul_of_the_gemv(i, k):
 
 @pytest.mark.parametrize("hidden,inter,heads,kv,d", [(4096, 12288, 32, 8, 128), (896, 4864, 14, 2, 64)])
 def test_decoder_layer_norms_fused_into_the_gemvs(hidden, inter, heads, kv, d, monkeypatch, kernel_config):
-    """DSPARK_NORM_GEMV: at one row the q/k/v and gate/up GEMVs apply the layer's RMSNorms themselves (4 launches
+    """KernelConfig.norm_gemv: at one row the q/k/v and gate/up GEMVs apply the layer's RMSNorms themselves (4 launches
     fewer); the layer's output and residual match the separate norms' (the residual bit for bit) at the 8B and
     0.5B shapes, with and without a residual coming in; 8 rows keep the separate norms."""
     from dspark_serve.kernels.attention import AttentionMetadata
@@ -90,7 +90,7 @@ def test_decoder_layer_norms_fused_into_the_gemvs(hidden, inter, heads, kv, d, m
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * (0.02 if p.dim() == 2 else 1.0) + (1.0 if p.dim() == 1 else 0.0))
-    layer.fuse()
+    fused = FusedLayer.of(layer, tiled=False)
     from dspark_serve.kernels import gemv_bf16
     norms = []
     monkeypatch.setattr(gemv_bf16, "rms_norm", lambda *a, **kw: norms.append(1) or rms_norm(*a, **kw))
@@ -108,7 +108,7 @@ def test_decoder_layer_norms_fused_into_the_gemvs(hidden, inter, heads, kv, d, m
                 kernel_config(norm_gemv=on)
                 norms.clear()
                 with torch.inference_mode():
-                    outs.append(layer.forward_fused(x, res, cos, sin, cache, meta))
+                    outs.append(fused.forward(x, res, cos, sin, cache, meta))
                 outs[-1] = (*outs[-1], len(norms))
             (y0, r0, n0), (y1, r1, n1) = outs
             assert torch.equal(r1, r0) and _rel(y1, y0.double()) <= 1e-2

@@ -113,28 +113,27 @@ def test_tile_major_weights_give_the_same_bits(n, k, cfg, m):
                        gemv_mma_dense(x, w, config=c, swiglu=True))
 
 
-def test_fused_layers_keep_a_tile_major_copy(monkeypatch):
-    """fuse(tiled=True) keeps tile-major copies of qkv, o, gate/up and down; verify rows read them and give the
-    row-major GEMV's bits; one row (plain decode) is untouched. The default policy keeps them for a small model."""
-    from dspark_serve.models.layers import keep_tile_major
+def test_fused_layers_keep_a_tile_major_copy():
+    """Fused layers with tiled=True keep tile-major copies of qkv, o, gate/up and down; verify rows read them and
+    give the row-major GEMV's bits; one row (plain decode) is untouched. The default policy keeps them for a small
+    model."""
+    from dspark_serve.engine.runner.fused_layers import FusedAttention, FusedMLP, keep_tile_major
     from dspark_serve.models.config import ModelConfig
     from dspark_serve.models.layers import MLP, AttentionProjections
     cfg = ModelConfig(arch="qwen3", vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=1,
                       num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, max_position=512,
                       tie_word_embeddings=False, dtype=torch.bfloat16)
-    mlp, attn = MLP(512, 1536).to(DEV, torch.bfloat16), AttentionProjections(cfg).to(DEV, torch.bfloat16)
-    with using(KernelConfig(dense_tiled=None)):
-        assert keep_tile_major(torch.nn.ModuleList([mlp, attn]))  # 6 MB of projections
-    with using(KernelConfig(dense_tiled=False)):
-        assert not keep_tile_major(torch.nn.ModuleList([mlp, attn]))
-    mlp.fuse(), attn.fuse()
-    assert mlp._tiled == (None, None) and attn._tiled == (None, None)
+    mlp_m, attn_m = MLP(512, 1536).to(DEV, torch.bfloat16), AttentionProjections(cfg).to(DEV, torch.bfloat16)
+    assert keep_tile_major(torch.nn.ModuleList([mlp_m, attn_m]), KernelConfig(dense_tiled=None))  # 6 MB
+    assert not keep_tile_major(torch.nn.ModuleList([mlp_m, attn_m]), KernelConfig(dense_tiled=False))
+    mlp, attn = FusedMLP.of(mlp_m, tiled=False), FusedAttention.of(attn_m, tiled=False)
+    assert mlp.tiled == (None, None) and attn.tiled == (None, None)
     x, o = torch.randn(8, 512, device=DEV).bfloat16(), torch.randn(8, 512, device=DEV).bfloat16()
-    want_mlp, want_o = mlp.forward_fused(x), attn.output(o)
-    mlp2, attn2 = MLP(512, 1536).to(DEV, torch.bfloat16), AttentionProjections(cfg).to(DEV, torch.bfloat16)
-    mlp2.load_state_dict(mlp.state_dict()), attn2.load_state_dict(attn.state_dict())
-    mlp2.fuse(tiled=True), attn2.fuse(tiled=True)
-    assert [t.shape for t in mlp2._tiled] == [(1536 // 8, 4, 2048), (512 // 16, 12, 2048)]
-    assert [t.shape for t in attn2._tiled] == [(768 // 16, 4, 2048), (512 // 16, 4, 2048)]
-    assert torch.equal(mlp2.forward_fused(x), want_mlp) and torch.equal(attn2.output(o), want_o)
-    assert torch.equal(mlp2.forward_fused(x[:1]), mlp.forward_fused(x[:1]))
+    want_mlp, want_o = mlp.forward(x), attn.output(o)
+    mlp2_m, attn2_m = MLP(512, 1536).to(DEV, torch.bfloat16), AttentionProjections(cfg).to(DEV, torch.bfloat16)
+    mlp2_m.load_state_dict(mlp_m.state_dict()), attn2_m.load_state_dict(attn_m.state_dict())
+    mlp2, attn2 = FusedMLP.of(mlp2_m, tiled=True), FusedAttention.of(attn2_m, tiled=True)
+    assert [t.shape for t in mlp2.tiled] == [(1536 // 8, 4, 2048), (512 // 16, 12, 2048)]
+    assert [t.shape for t in attn2.tiled] == [(768 // 16, 4, 2048), (512 // 16, 4, 2048)]
+    assert torch.equal(mlp2.forward(x), want_mlp) and torch.equal(attn2.output(o), want_o)
+    assert torch.equal(mlp2.forward(x[:1]), mlp.forward(x[:1]))

@@ -111,7 +111,8 @@ def test_row_scales_of_stacked_layers_are_exact(split):
 @pytest.mark.parametrize("m", [2, 7, 8, 16])
 def test_nvfp4_stack_vs_fp64_and_its_layers(m):
     """NVFP4Stack on the mma path: within bf16 rounding of the fp64 reference and of the layers run one by one."""
-    from dspark_serve.models.nvfp4_linear import NVFP4Linear, NVFP4Stack
+    from dspark_serve.engine.runner.nvfp4_stack import NVFP4Stack
+    from dspark_serve.models.nvfp4_linear import NVFP4Linear
     layers = [NVFP4Linear.from_tensors(*_weights(n, 1024)) for n in (1024, 256, 256)]
     x = torch.randn(m, 1024, device=DEV).to(torch.bfloat16)
     ref = torch.cat([x.double() @ lay.dequantized_weight(torch.float64).T for lay in layers], -1)

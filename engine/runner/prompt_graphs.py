@@ -15,6 +15,7 @@ at the 0.5B demo target (15 M) every batch the buckets take (bench/bench_prefill
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -23,13 +24,21 @@ from torch import Tensor
 from dspark_serve.kernels.attention import AttentionMetadata
 from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.models.config import ModelConfig
-from dspark_serve.models.qwen import QwenForCausalLM
 
-from .cuda_graphs import Staging, _bucket, capture_on_padding
-from .kv_cache import slots_of
+from ..kv_cache import slots_of
+from .buckets import bucket
+from .capture import capture_on_padding
+from .staging import Layout, Staging
+from .target_runner import TargetRunner
 
 PROMPT_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # padding wastes < 1.5x
 MAX_PROMPTS = 4  # fresh prompts prefilled one graph each; a larger batch runs eagerly at once
+
+
+@lru_cache(maxsize=None)
+def prompt_layout(length: int, w: int) -> Layout:
+    """A prompt padded to `length` tokens over a block table of width w."""
+    return Layout(ids=length, slots=length, last=1, block_table=w)
 
 
 def layer_weights(config: ModelConfig) -> int:
@@ -39,17 +48,17 @@ def layer_weights(config: ModelConfig) -> int:
 
 
 class PromptGraphs:
-    def __init__(self, model: QwenForCausalLM, cache: Tensor, block_size: int, trash_slot: int,
+    def __init__(self, runner: TargetRunner, cache: Tensor, block_size: int, trash_slot: int,
                  max_model_len: int, capture_layers: tuple[int, ...] = (), capture: bool | None = None,
                  max_work: float = KernelConfig.prompt_graph_work) -> None:
-        self.model, self.cache, self.block_size, self.trash = model, cache, block_size, trash_slot
+        self.runner, self.cache, self.block_size, self.trash = runner, cache, block_size, trash_slot
         self.max_work = max_work  # padded tokens x one layer's weights
         self.capture_layers, self.device = capture_layers, cache.device
         self.capture = self.device.type == "cuda" if capture is None else capture
-        top = _bucket(max_model_len, PROMPT_BUCKETS) or PROMPT_BUCKETS[-1]
+        top = bucket(max_model_len, PROMPT_BUCKETS) or PROMPT_BUCKETS[-1]
         self.lengths = tuple(n for n in PROMPT_BUCKETS if n <= top)
-        self.staging = Staging(2 * top + 1 + -(-top // block_size), torch.int64, self.device)
-        self.layer_weights = layer_weights(model.config)
+        self.staging = Staging(prompt_layout(top, -(-top // block_size)).size, torch.int64, self.device)
+        self.layer_weights = layer_weights(runner.model.config)
         self._runners: dict[int, Callable[[], tuple[Tensor, Tensor | None]]] = {}
         self._pool = None
 
@@ -58,7 +67,7 @@ class PromptGraphs:
         padded tokens launch-bound (`max_work`)."""
         if not 0 < len(lens) <= MAX_PROMPTS or any(starts) or max(lens) > self.lengths[-1]:
             return False
-        return sum(_bucket(n, self.lengths) for n in lens) * self.layer_weights <= self.max_work
+        return sum(bucket(n, self.lengths) for n in lens) * self.layer_weights <= self.max_work
 
     @property
     def num_recorded(self) -> int:
@@ -80,11 +89,13 @@ class PromptGraphs:
         logits, feats = [], []
         for blocks, ids in zip(block_tables, prompts):
             n = len(ids)
-            length = _bucket(n, self.lengths)
+            length = bucket(n, self.lengths)
             w = -(-length // self.block_size)
             table = blocks[:w] + [0] * (w - min(len(blocks), w))  # past the prompt: never attended
-            self.staging.upload(ids + [0] * (length - n) + slots_of(blocks, 0, n, self.block_size)
-                                + [self.trash] * (length - n) + [n - 1] + table)
+            pad = length - n
+            self.staging.upload(prompt_layout(length, w).pack(
+                ids=ids + [0] * pad, slots=slots_of(blocks, 0, n, self.block_size) + [self.trash] * pad, last=[n - 1],
+                block_table=table))
             if length not in self._runners:
                 self._runners[length] = self._build(length)
             row, f = self._runners[length]()
@@ -93,21 +104,24 @@ class PromptGraphs:
         return (torch.cat(logits) if len(logits) > 1 else logits[0])[:, None], feats
 
     def _build(self, length: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
-        d, w = self.staging.dev, -(-length // self.block_size)
-        ids, slots, last = d[:length], d[length:2 * length], d[2 * length:2 * length + 1]
+        w = -(-length // self.block_size)
+        layout = prompt_layout(length, w)
+        v = layout.views(self.staging.dev)
+        ids, last = v["ids"], v["last"]
         positions = torch.arange(length, device=self.device)
         meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, length], device=self.device),
-                                 seq_lens=torch.tensor([length], device=self.device), slot_mapping=slots,
-                                 block_table=d[2 * length + 1:2 * length + 1 + w].view(1, w), max_query_len=length,
+                                 seq_lens=torch.tensor([length], device=self.device), slot_mapping=v["slots"],
+                                 block_table=v["block_table"].view(1, w), max_query_len=length,
                                  max_seq_len=length, causal=True, all_slots_valid=True, prompt_lens=(length,))
 
         def forward() -> tuple[Tensor, Tensor | None]:
-            hidden, feats = self.model(ids, positions, meta, self.cache, capture_layers=self.capture_layers)
-            return self.model.compute_logits(hidden.index_select(0, last)), feats  # [1, V], [length, F]
+            hidden, feats = self.runner.forward(ids, positions, meta, self.cache, capture_layers=self.capture_layers)
+            return self.runner.compute_logits(hidden.index_select(0, last)), feats  # [1, V], [length, F]
         if not self.capture:
             return forward
         replay, self._pool, self.capture = capture_on_padding(
-            forward, self._pool, [d[:2 * length + 1 + w]],
-            lambda: self.staging.upload([0] * length + [self.trash] * length + [0] * (1 + w)),
+            forward, self._pool, [self.staging.dev[:layout.size]],
+            lambda: self.staging.upload(layout.pack(ids=[0] * length, slots=[self.trash] * length, last=[0],
+                                                    block_table=[0] * w)),
             f" for a prompt of {length} tokens")
         return replay

@@ -12,6 +12,7 @@ sets on the device (engine/draft_chain.py). On CPU the static path runs eagerly.
 from __future__ import annotations
 
 from dataclasses import fields, replace
+from functools import lru_cache
 from typing import Callable, Protocol
 
 import torch
@@ -20,16 +21,28 @@ from torch import Tensor
 from dspark_serve.kernels.attention import AttentionMetadata
 from dspark_serve.models.dspark import DSparkDraft
 
-from .cuda_graphs import WARM_CONTEXT, GraphBuckets, Staging, _bucket, capture_on_padding
-from .drafter import DraftProposal
-from .kv_cache import slots_of
+from ..drafter import DraftProposal
+from ..kv_cache import slots_of
+from .buckets import WARM_CONTEXT, GraphBuckets, bucket
+from .capture import capture_on_padding
+from .draft_runner import DraftRunner
+from .staging import Layout, Staging
+
+
+@lru_cache(maxsize=None)
+def draft_layout(b: int, ql: int, cr: int, w: int) -> Layout:
+    """A draft step's inputs: b rows, query blocks of ql tokens, cr context rows each, block tables of width w."""
+    return Layout(anchors=b, anchor_pos=b, seeds=b, seq_lens=b, positions=b * ql, slots=b * ql,
+                  context_positions=b * cr, context_slots=b * cr, block_table=b * w)
 
 
 class GraphedDraft(Protocol):
-    """What the graphs read of the draft they record (engine/draft_side.py's DraftSide): its model and cache, the
-    block shape, and the Markov walk that turns the block's hidden states into a proposal."""
+    """What the graphs read of the draft they record (engine/draft_side.py's DraftSide): its model, the runner of
+    its context write and block pass, its cache, the block shape, and the Markov walk that turns the block's hidden
+    states into a proposal."""
 
     model: DSparkDraft
+    runner: DraftRunner
     cache: Tensor  # [num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]
     block_size: int
     device: torch.device
@@ -53,7 +66,7 @@ class DraftGraphs:
         self.buckets = GraphBuckets(buckets.batch, tuple(c for c in buckets.context if c < top) + (top,))
         b = max(self.buckets.batch)
         self.cr = self.ql + 1  # context rows per request a graph writes
-        self.ints = Staging(4 * b + 2 * b * self.ql + 2 * b * self.cr + b * (top // self.bs), torch.int64, self.device)
+        self.ints = Staging(draft_layout(b, self.ql, self.cr, top // self.bs).size, torch.int64, self.device)
         m = side.model
         self.feats = torch.zeros(b * self.cr, m.config.context_dim, dtype=m.hidden_norm.weight.dtype,
                                  device=self.device)
@@ -66,8 +79,8 @@ class DraftGraphs:
         return rows <= shape[0] * self.cr
 
     def shape_for(self, anchor_pos: list[int]) -> tuple[int, int] | None:
-        b = _bucket(len(anchor_pos), self.buckets.batch)
-        c = _bucket(max(anchor_pos) + self.ql, self.buckets.context)
+        b = bucket(len(anchor_pos), self.buckets.batch)
+        c = bucket(max(anchor_pos) + self.ql, self.buckets.context)
         return None if b is None or c is None else (b, c)
 
     @torch.inference_mode()
@@ -113,9 +126,10 @@ class DraftGraphs:
     def warm_up(self, max_batch: int = 1) -> int:
         """Record now, on padding, the greedy and the sampling graph of every batch bucket up to max_batch's for
         every context bucket; -> how many were recorded (0 when not capturing)."""
-        top = _bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
+        top = bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
         keys = [(b, c, q) for b in self.buckets.batch if b <= top for c in self.buckets.context
-                if b == 1 or c <= WARM_CONTEXT for q in (False, True) if self.capture and (b, c, q) not in self._runners]
+                if b == 1 or c <= WARM_CONTEXT for q in (False, True)
+                if self.capture and (b, c, q) not in self._runners]
         for key in keys:
             self._runners[key] = self._build(*key)
         return len(keys)
@@ -132,22 +146,22 @@ class DraftGraphs:
     def _advance(self, packed: Tensor, r: int, b: int, c: int) -> None:
         """On the device: the first r rows' anchors, anchor positions, sequence lengths, block positions and slots
         moved past the accepted tokens of `packed` (the layout holds the verify's anchor positions)."""
-        d, ql, w = self.dev, self.ql, c // self.bs
+        ql, w = self.ql, c // self.bs
+        v = draft_layout(b, ql, self.cr, w).views(self.dev)
         a = packed[:, 0]
-        pos = d[b:b + r] + a + 1  # [R]
-        block = pos[:, None] + torch.arange(ql, device=d.device)  # [R, ql]
-        table = d[4 * b + 2 * b * ql + 2 * b * self.cr:][:b * w].view(b, w)[:r]
-        d[:r] = packed.gather(1, (a + 1)[:, None])[:, 0]
-        d[b:b + r] = pos
-        d[3 * b:3 * b + r] = pos + ql
-        d[4 * b:4 * b + r * ql] = block.flatten()
+        pos = v["anchor_pos"][:r] + a + 1  # [R]
+        block = pos[:, None] + torch.arange(ql, device=self.dev.device)  # [R, ql]
+        table = v["block_table"].view(b, w)[:r]
+        v["anchors"][:r] = packed.gather(1, (a + 1)[:, None])[:, 0]
+        v["anchor_pos"][:r] = pos
+        v["seq_lens"][:r] = pos + ql
+        v["positions"][:r * ql] = block.flatten()
         slots = table.gather(1, block // self.bs) * self.bs + block % self.bs  # [R, ql]
-        d[4 * b + b * ql:4 * b + b * ql + r * ql] = slots.flatten()
+        v["slots"][:r * ql] = slots.flatten()
 
     def _layout(self, anchors: list[int], anchor_pos: list[int], tables: list[list[int]], seeds: list[int], b: int,
                 c: int, context: tuple[list[list[int]], list[int], list[int]] = ([], [], [])) -> list[int]:
-        """[anchors b | anchor_pos b | seeds b | seq_lens b | positions b*ql | slots b*ql | context positions b*cr |
-        context slots b*cr | table b*(c/bs)]."""
+        """The step's inputs in draft_layout, padded."""
         bs, ql, w = self.bs, self.ql, c // self.bs
         ctx_pos, ctx_slots = [0] * (b * self.cr), [self.trash] * (b * self.cr)
         i = 0
@@ -162,29 +176,29 @@ class DraftGraphs:
             slots[r * ql:(r + 1) * ql] = slots_of(blocks, p0, ql, bs)
             table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
         seq = [p + ql for p in anchor_pos] + [ql] * pad
-        return list(anchors) + [0] * pad + list(anchor_pos) + [0] * pad + list(seeds) + [0] * pad + seq + pos \
-            + slots + ctx_pos + ctx_slots + table
+        return draft_layout(b, ql, self.cr, w).pack(
+            anchors=list(anchors) + [0] * pad, anchor_pos=list(anchor_pos) + [0] * pad, seeds=list(seeds) + [0] * pad,
+            seq_lens=seq, positions=pos, slots=slots, context_positions=ctx_pos, context_slots=ctx_slots,
+            block_table=table)
 
     def _build(self, b: int, c: int, need_q: bool) -> Callable[[], DraftProposal]:
         side, ql, w = self.side, self.ql, c // self.bs
         m, cfg, n = side.model, side.model.config, side.num_speculative_tokens
-        d = self.dev
-        anchors, anchor_pos, seeds, seq = d[:b], d[b:2 * b], d[2 * b:3 * b], d[3 * b:4 * b]
-        pos, slots = d[4 * b:4 * b + b * ql], d[4 * b + b * ql:4 * b + 2 * b * ql]
-        o, cr = 4 * b + 2 * b * ql, b * self.cr
-        ctx_pos, ctx_slots = d[o:o + cr], d[o + cr:o + 2 * cr]
-        table = d[o + 2 * cr:o + 2 * cr + b * w].view(b, w)
-        feats = self.feats[:cr]
-        meta = AttentionMetadata(cu_seqlens_q=torch.arange(b + 1, device=self.device) * ql, seq_lens=seq,
-                                 slot_mapping=slots, block_table=table, max_query_len=ql, max_seq_len=c,
-                                 causal=False, all_slots_valid=True)
+        v = draft_layout(b, ql, self.cr, w).views(self.dev)
+        anchors, anchor_pos, seeds = v["anchors"], v["anchor_pos"], v["seeds"]
+        ctx_pos, ctx_slots = v["context_positions"], v["context_slots"]
+        feats = self.feats[:b * self.cr]
+        meta = AttentionMetadata(cu_seqlens_q=torch.arange(b + 1, device=self.device) * ql, seq_lens=v["seq_lens"],
+                                 slot_mapping=v["slots"], block_table=v["block_table"].view(b, w), max_query_len=ql,
+                                 max_seq_len=c, causal=False, all_slots_valid=True)
         temperature, first = self.temps.dev[:b], 0 if cfg.anchor_first else 1
 
         def forward() -> DraftProposal:
-            m.write_context(feats, ctx_pos, ctx_slots, side.cache, all_slots_valid=True)  # padding: trash slot
+            side.runner.write_context(feats, ctx_pos, ctx_slots, side.cache, all_slots_valid=True)  # padding: trash
             ids = torch.full((b, ql), cfg.mask_token_id, dtype=torch.int64, device=self.device)
             ids[:, 0] = anchors
-            hidden = m.block_hidden(ids.flatten(), pos, meta, side.cache).view(b, ql, -1)[:, first:first + n]
+            hidden = side.runner.block_hidden(ids.flatten(), v["positions"], meta, side.cache).view(b, ql, -1)
+            hidden = hidden[:, first:first + n]
             return side.markov_walk(hidden, m.base_logits(hidden), anchors, temperature, seeds, anchor_pos, need_q)
         if not self.capture:
             return forward

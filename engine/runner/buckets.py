@@ -1,0 +1,21 @@
+"""The shapes CUDA graphs are recorded for: batch and context buckets, and the limits on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GraphBuckets:
+    batch: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    context: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # key slots attended per row
+
+
+MAX_GRAPH_TOKENS = 512  # each graph keeps its own [tokens, vocab] fp32 logits: larger steps run eagerly
+WARM_CONTEXT = 4096  # at start every batch bucket is recorded up to this context; longer contexts: batch 1 only
+# (the rest on first use), so a 32k-context model does not hold 8 contexts x 9 batches of logits
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest size >= n, or None."""
+    return next((s for s in sizes if s >= n), None)
