@@ -17,7 +17,7 @@ from .channel import DraftEnd
 from .placement_env import actor_device, set_cpu_threads
 
 if TYPE_CHECKING:  # the annotation only: actors do not import the cluster layer
-    from dspark_serve.cluster.config import PairConfig
+    from .pair_config import PairConfig
 
 
 class DraftActor:

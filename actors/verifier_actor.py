@@ -27,7 +27,7 @@ from .remote_draft import RemoteDraft
 from .request_stream import StreamServer
 
 if TYPE_CHECKING:  # the annotation only: actors do not import the cluster layer
-    from dspark_serve.cluster.config import PairConfig
+    from .pair_config import PairConfig
 
 IDLE_POLL_S = 0.05  # how often an idle loop looks at its stop flag (a frame wakes it at once)
 

@@ -12,7 +12,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dspark_serve.kernels import gathered_bias as gb
 from dspark_serve.kernels import nvfp4
 from dspark_serve.kernels.w4a16_gemm import (GemmConfig, default_config, w4a16_dequant_matmul, w4a16_gemm,
                                              w4a16_gemm_ref)
@@ -106,32 +105,6 @@ def bench_gemm(name: str, n: int, k: int, copy_gbs: float, sweep: bool) -> list[
               f"bf16 {bf16_us:8.2f} us x{bf16_us / us_default:4.2f}  best {us_best:8.2f} {cfg_best}", flush=True)
     del copies, dense
     torch.cuda.empty_cache()
-    return rows
-
-
-def bench_markov(copy_gbs: float) -> list[dict]:
-    vocab, rank = 151936, 256
-    base = nvfp4.quantize(torch.randn(vocab, rank, device="cuda") * 0.05)
-    copies = [tuple(t.clone() for t in base) for _ in range(16)]
-    dense = [torch.randn(vocab, rank, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
-    rows = []
-    for bsz in MS:
-        for topk in (64, 128, 256, 512):
-            e = torch.randn(bsz, rank, device="cuda", dtype=torch.bfloat16)
-            values = torch.randn(bsz, topk, device="cuda", dtype=torch.bfloat16)
-            index = torch.stack([torch.randperm(vocab, device="cuda")[:topk] for _ in range(bsz)])
-            logits = torch.full((bsz, vocab), float("-inf"), device="cuda", dtype=torch.bfloat16)
-            us = graph_time_us([lambda c=c: gb.gathered_bias(e, *c, values, index, logits, 1.0) for c in copies])
-            us_dense = graph_time_us([lambda w=w: gb.gathered_bias_dense(e, w, values, index, logits, 1.0)
-                                      for w in dense])
-            us_torch = graph_time_us([lambda w=w: gb.gathered_bias_dense_ref(e, w, values, index, logits, 1.0)
-                                      for w in dense])
-            q_bytes = bsz * topk * (rank // 2 + rank // 16)
-            rows.append({"shape": "markov_w2", "B": bsz, "topk": topk, "us": us, "GBps": q_bytes / us / 1e3,
-                         "pct_copy": 100 * q_bytes / us / 1e3 / copy_gbs, "bf16_triton_us": us_dense,
-                         "bf16_torch_us": us_torch, "speedup_vs_bf16_torch": us_torch / us})
-            print(f"markov B={bsz:3d} k={topk:3d} {us:7.2f} us {q_bytes / us / 1e3:6.0f} GB/s  bf16 triton "
-                  f"{us_dense:7.2f} us  bf16 torch {us_torch:7.2f} us x{us_torch / us:4.2f}", flush=True)
     return rows
 
 
@@ -247,10 +220,9 @@ def main() -> None:
                        "torch": torch.__version__}, f, indent=1)
         return
     rows = [r for s in args.shapes for r in bench_gemm(s, *SHAPES[s], copy_gbs, args.sweep)]
-    markov = bench_markov(copy_gbs)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_GBps": copy_gbs, "gemm": rows,
-                   "markov": markov, "torch": torch.__version__}, f, indent=1)
+                   "torch": torch.__version__}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ if not INTERPRETED:
     def test_kernels_under_interpreter():
         rerun_under_interpreter(__file__)
 else:
-    from dspark_serve.kernels import gathered_bias as gb
     from dspark_serve.kernels import nvfp4, nvfp4_ref
     from dspark_serve.kernels.w4a16_gemm import GemmConfig, w4a16_gemm, w4a16_gemm_ref
 
@@ -63,31 +62,3 @@ else:
         ref = w4a16_gemm_ref(x, packed, scale, scale_2)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -7, atol=1e-3)
-
-    def _candidates(bsz: int, vocab: int, topk: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(1)
-        return torch.stack([torch.randperm(vocab, generator=g)[:topk] for _ in range(bsz)])   # [B, k]
-
-    @pytest.mark.parametrize("bsz,vocab,rank,topk", [(1, 64, 32, 64), (3, 300, 64, 50), (2, 100, 256, 40)])
-    def test_gathered_bias_matches_ref(bsz, vocab, rank, topk):
-        w2 = torch.randn(vocab, rank)
-        packed, scale, scale_2 = nvfp4_ref.quantize(w2)
-        e, values, index = torch.randn(bsz, rank), torch.randn(bsz, topk), _candidates(bsz, vocab, topk)
-        for fn, ref, weights in ((gb.gathered_bias, gb.gathered_bias_ref, (packed, scale, scale_2)),
-                                 (gb.gathered_bias_dense, gb.gathered_bias_dense_ref, (w2,))):
-            got = torch.full((bsz, vocab), float("-inf"))
-            exp = torch.full((bsz, vocab), float("-inf"))
-            fn(e, *weights, values, index, got, 0.5)
-            ref(e, *weights, values, index, exp, 0.5)
-            assert torch.equal(got.isinf(), exp.isinf())
-            torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
-
-    def test_gathered_bias_with_all_candidates_is_the_dense_bias():
-        bsz, vocab, rank, scale = 2, 96, 64, 0.75
-        packed, wscale, scale_2 = nvfp4_ref.quantize(torch.randn(vocab, rank))
-        e, base = torch.randn(bsz, rank), torch.randn(bsz, vocab)
-        index = _candidates(bsz, vocab, vocab)                                   # k = V, shuffled
-        got = gb.gathered_bias(e, packed, wscale, scale_2, base.gather(1, index), index,
-                               torch.full((bsz, vocab), float("-inf")), scale)
-        dense = base + scale * e @ nvfp4_ref.dequantize(packed, wscale, scale_2).T   # [B, V]
-        torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,6 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 if torch.cuda.is_available():
-    from dspark_serve.kernels import gathered_bias as gb
     from dspark_serve.kernels import nvfp4, nvfp4_ref
     from dspark_serve.kernels.w4a16_gemm import GemmConfig, w4a16_gemm
     from dspark_serve.models.nvfp4_linear import NVFP4Linear
@@ -88,39 +87,13 @@ def test_gemv_prmt_reads_scales_as_aligned_pairs():
     assert _rel(want, ref) <= 1e-2
 
 
-@pytest.mark.parametrize("bsz,topk", [(1, 64), (8, 256), (4, 512)])
-def test_gathered_bias_vs_fp64(bsz, topk):
-    vocab, rank = 151936, 256
-    w2 = torch.randn(vocab, rank, device=DEV) * 0.05
-    packed, scale, scale_2 = nvfp4.quantize(w2)
-    e = torch.randn(bsz, rank, device=DEV).to(torch.bfloat16)
-    values = torch.randn(bsz, topk, device=DEV).to(torch.bfloat16)
-    index = torch.stack([torch.randperm(vocab, device=DEV)[:topk] for _ in range(bsz)])
-    wq = nvfp4.dequantize(packed, scale, scale_2, torch.float64)
-    ref = values.double() + 0.9 * torch.einsum("bkr,br->bk", wq[index], e.double())
-    logits = torch.full((bsz, vocab), float("-inf"), device=DEV, dtype=torch.bfloat16)
-    gb.gathered_bias(e, packed, scale, scale_2, values, index, logits, 0.9)
-    assert _rel(logits.gather(1, index), ref) <= 1e-2
-    assert logits.isinf().sum().item() == bsz * (vocab - topk)
-    dense = torch.full_like(logits, float("-inf"))
-    gb.gathered_bias_dense(e, wq.to(torch.bfloat16), values, index, dense, 0.9)
-    assert _rel(dense.gather(1, index), ref) <= 1e-2
-
-
 def test_cuda_graph_capture_and_replay():
-    n, k, m, vocab, rank, topk = 4096, 4096, 8, 151936, 256, 128
+    n, k, m = 4096, 4096, 8
     packed, scale, scale_2 = nvfp4.quantize(torch.randn(n, k, device=DEV))
-    w2 = nvfp4.quantize(torch.randn(vocab, rank, device=DEV))
     x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
-    e = torch.randn(m, rank, device=DEV).to(torch.bfloat16)
-    values = torch.randn(m, topk, device=DEV).to(torch.bfloat16)
-    index = torch.stack([torch.randperm(vocab, device=DEV)[:topk] for _ in range(m)])   # no duplicates
-    logits = torch.empty(m, vocab, device=DEV, dtype=torch.bfloat16)
     split = GemmConfig(16, 64, 256, split_k=4)
 
     def step():
-        logits.fill_(float("-inf"))
-        gb.gathered_bias(e, *w2, values, index, logits, 1.0)
         return w4a16_gemm(x, packed, scale, scale_2), w4a16_gemm(x, packed, scale, scale_2, split)
 
     step()
@@ -130,15 +103,11 @@ def test_cuda_graph_capture_and_replay():
         outs = step()
     for _ in range(2):
         x.copy_(torch.randn_like(x))
-        e.copy_(torch.randn_like(e))
-        index.copy_(torch.stack([torch.randperm(vocab, device=DEV)[:topk] for _ in range(m)]))
         graph.replay()
         torch.cuda.synchronize()
-        eager_logits = logits.clone()
         eager = step()
         for a, b in zip(outs, eager):
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
-        assert torch.equal(logits, eager_logits)
 
 
 def test_nvfp4_linear_cuda_matches_cpu():
