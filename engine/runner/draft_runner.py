@@ -103,8 +103,8 @@ class DraftRunner:
     def block_hidden(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """DSparkDraft.block_hidden: query block tokens [R * Q] (non-causal `meta`) -> final-normed hidden."""
         m = self.model
-        x = m.embed_tokens(input_ids)
-        if self.layers is None or not use_triton(x, self.kernels):
+        if self.layers is None or not use_triton(m.embed_tokens.weight, self.kernels):
             return m.block_hidden(input_ids, positions, meta, kv_cache)
+        x = m.embed_tokens(input_ids)
         cos, sin = m.rotary.cos_sin(positions, x.dtype)
         return run_fused_layers(self.layers, x, cos, sin, kv_cache, meta, m.norm, {})

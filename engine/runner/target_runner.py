@@ -30,9 +30,9 @@ class TargetRunner:
         """QwenForCausalLM.forward: input_ids, positions [T] -> (final-normed hidden [T, hidden], captured
         [T, len(capture) * hidden] | None)."""
         m = self.model.model
-        x = m.embed_tokens(input_ids)
-        if self.layers is None or not use_triton(x, self.kernels):
+        if self.layers is None or not use_triton(m.embed_tokens.weight, self.kernels):
             return self.model(input_ids, positions, meta, kv_cache, capture_layers)
+        x = m.embed_tokens(input_ids)
         cos, sin = m.rotary.cos_sin(positions, x.dtype)
         want: dict[int, Tensor | None] = {i: None for i in capture_layers}
         if -1 in want:  # DeepSpec's -1: the embedding output
