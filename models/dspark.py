@@ -10,7 +10,7 @@ from dspark_serve.kernels.attention import AttentionMetadata, store_kv
 
 from .draft_config import DraftConfig
 from .layers import RMSNorm, Rotary
-from .qwen import DecoderLayer, run_layers
+from .qwen import DecoderLayer, LayerStack, run_layers
 
 
 class MarkovHead(nn.Module):
@@ -70,11 +70,13 @@ class DSparkDraft(nn.Module):
         """Target features -> the normed context rows [T, hidden] the layers project to K/V."""
         return self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))
 
-    def block_hidden(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
-        """Query block tokens [R * Q] (non-causal `meta`) -> final-normed hidden [R * Q, hidden]."""
+    def block_hidden(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor,
+                     stack: LayerStack | None = None) -> Tensor:
+        """Query block tokens [R * Q] (non-causal `meta`) -> final-normed hidden [R * Q, hidden]; `stack` runs the
+        decoder layers (default: qwen.run_layers)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        return run_layers(self.layers, x, cos, sin, kv_cache, meta, self.norm, {})
+        return (stack or run_layers)(self.layers, x, cos, sin, kv_cache, meta, self.norm, {})
 
     def base_logits(self, hidden: Tensor) -> Tensor:
         """[.., hidden] -> U [.., draft_vocab] fp32, times logit_scale."""

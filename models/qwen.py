@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -33,12 +35,17 @@ class DecoderLayer(nn.Module):
 
 def run_layers(layers: nn.ModuleList, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
                final_norm: RMSNorm, want: dict[int, Tensor | None]) -> Tensor:
-    """The decoder stack -> final-normed hidden; fills want[i] with layer i's residual output."""
+    """The decoder stack -> final-normed hidden; fills want[i] with layer i's residual output. A runner may pass
+    the models another function of this signature (the same stack on other kernels)."""
     for i, layer in enumerate(layers):
         x = layer(x, cos, sin, kv_cache[i], meta)
         if i in want:
             want[i] = x
     return final_norm(x)
+
+
+LayerStack = Callable[[nn.ModuleList, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, RMSNorm,
+                       dict[int, "Tensor | None"]], Tensor]  # run_layers' signature
 
 
 class QwenModel(nn.Module):
@@ -70,10 +77,11 @@ class QwenForCausalLM(nn.Module):
                            dtype=dtype or ref.dtype, device=device or ref.device)
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor,
-                capture_layers: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None]:
+                capture_layers: tuple[int, ...] = (), stack: LayerStack | None = None) -> tuple[Tensor, Tensor | None]:
         """input_ids, positions [T] -> (final-normed hidden [T, hidden], captured [T, len(capture) * hidden] | None).
 
-        A captured id i is the raw residual output of decoder layer i (HF `hidden_states[i + 1]`).
+        A captured id i is the raw residual output of decoder layer i (HF `hidden_states[i + 1]`). `stack` runs the
+        decoder layers (default: run_layers, the modules' own forwards).
         """
         m = self.model
         x = m.embed_tokens(input_ids)
@@ -81,7 +89,7 @@ class QwenForCausalLM(nn.Module):
         want: dict[int, Tensor | None] = {i: None for i in capture_layers}
         if -1 in want:  # DeepSpec's -1: the embedding output
             want[-1] = x
-        hidden = run_layers(m.layers, x, cos, sin, kv_cache, meta, m.norm, want)
+        hidden = (stack or run_layers)(m.layers, x, cos, sin, kv_cache, meta, m.norm, want)
         captured = torch.cat([want[i] for i in capture_layers], dim=-1) if capture_layers else None
         return hidden, captured
 

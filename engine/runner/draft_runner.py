@@ -16,7 +16,7 @@ from dspark_serve.models.dspark import DSparkDraft
 from dspark_serve.models.layers import Rotary
 from dspark_serve.models.nvfp4_linear import NVFP4Linear
 
-from .fused_layers import FusedLayer, fuse_layers, run_fused_layers
+from .fused_layers import FusedLayer, fuse_layers, fused_stack
 from .target_runner import takes_fast_path
 
 DENSE_NVFP4_MAX_BYTES = 512 << 20  # NVFP4 drafts whose bf16 copies fit keep them (NVFP4Linear.keep_dense) ...
@@ -55,6 +55,7 @@ class DraftRunner:
         self.layers: list[FusedLayer] | None = None
         if takes_fast_path(self.device, self.kernels):
             self.layers = fuse_layers(model.layers, self.kernels)
+        self.stack = fused_stack(self.layers) if self.layers is not None else None  # the model's layers, fused
         if self.device.type == "cuda":
             budget = max(DENSE_NVFP4_MAX_BYTES,
                          int(DENSE_NVFP4_MAX_FRACTION * torch.cuda.get_device_properties(self.device).total_memory))
@@ -103,8 +104,5 @@ class DraftRunner:
     def block_hidden(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor) -> Tensor:
         """DSparkDraft.block_hidden: query block tokens [R * Q] (non-causal `meta`) -> final-normed hidden."""
         m = self.model
-        if self.layers is None or not use_triton(m.embed_tokens.weight, self.kernels):
-            return m.block_hidden(input_ids, positions, meta, kv_cache)
-        x = m.embed_tokens(input_ids)
-        cos, sin = m.rotary.cos_sin(positions, x.dtype)
-        return run_fused_layers(self.layers, x, cos, sin, kv_cache, meta, m.norm, {})
+        fast = self.stack is not None and use_triton(m.embed_tokens.weight, self.kernels)
+        return m.block_hidden(input_ids, positions, meta, kv_cache, self.stack if fast else None)

@@ -15,7 +15,7 @@ from dspark_serve.kernels.attention import AttentionMetadata, paged_attention, p
 from dspark_serve.kernels.config import KernelConfig, active
 from dspark_serve.models.layers import MLP, AttentionProjections, RMSNorm
 from dspark_serve.models.nvfp4_linear import NVFP4Linear
-from dspark_serve.models.qwen import DecoderLayer
+from dspark_serve.models.qwen import DecoderLayer, LayerStack
 from .views import concat_as_views
 
 from .nvfp4_stack import NVFP4Stack
@@ -165,6 +165,14 @@ def run_fused_layers(layers: list[FusedLayer], x: Tensor, cos: Tensor, sin: Tens
             want[i] = x + residual
     w, eps = final_norm.weight, final_norm.eps
     return rms_norm(x, w, eps) if residual is None else rms_norm(x, w, eps, residual)[0]
+
+
+def fused_stack(layers: list[FusedLayer]) -> LayerStack:
+    """A models/qwen.run_layers for the models' forwards that runs these fused layers in place of the modules
+    handed to it (the same decoder layers, prepared)."""
+    def stack(_modules: nn.ModuleList, *args) -> Tensor:
+        return run_fused_layers(layers, *args)
+    return stack
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

@@ -10,7 +10,7 @@ from dspark_serve.kernels.attention import AttentionMetadata
 from dspark_serve.kernels.config import HAVE_TRITON, KernelConfig, active, use_triton
 from dspark_serve.models.qwen import QwenForCausalLM
 
-from .fused_layers import FusedLayer, fuse_layers, run_fused_layers
+from .fused_layers import FusedLayer, fuse_layers, fused_stack
 
 
 def takes_fast_path(device: torch.device, kernels: KernelConfig) -> bool:
@@ -24,22 +24,14 @@ class TargetRunner:
         self.device = model.lm_head.weight.device
         self.layers: list[FusedLayer] | None = fuse_layers(model.model.layers, self.kernels) \
             if takes_fast_path(self.device, self.kernels) else None
+        self.stack = fused_stack(self.layers) if self.layers is not None else None  # the model's layers, fused
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor,
                 capture_layers: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None]:
         """QwenForCausalLM.forward: input_ids, positions [T] -> (final-normed hidden [T, hidden], captured
         [T, len(capture) * hidden] | None)."""
-        m = self.model.model
-        if self.layers is None or not use_triton(m.embed_tokens.weight, self.kernels):
-            return self.model(input_ids, positions, meta, kv_cache, capture_layers)
-        x = m.embed_tokens(input_ids)
-        cos, sin = m.rotary.cos_sin(positions, x.dtype)
-        want: dict[int, Tensor | None] = {i: None for i in capture_layers}
-        if -1 in want:  # DeepSpec's -1: the embedding output
-            want[-1] = x
-        hidden = run_fused_layers(self.layers, x, cos, sin, kv_cache, meta, m.norm, want)
-        captured = torch.cat([want[i] for i in capture_layers], dim=-1) if capture_layers else None
-        return hidden, captured
+        fast = self.stack is not None and use_triton(self.model.model.embed_tokens.weight, self.kernels)
+        return self.model(input_ids, positions, meta, kv_cache, capture_layers, self.stack if fast else None)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[T, hidden] -> [T, vocab] fp32; on CUDA with KernelConfig.lm_head_gemv, decode rows through the GEMVs."""
