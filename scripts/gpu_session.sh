@@ -58,7 +58,11 @@ step_ab() {  # bench_step with the dispatch switch DSPARK_$1 off, then on; logs 
     done
 }
 case ${1:?phase} in
-stage) mkdir -p $DC && cat .stage/c"$2"/part* >> $GGUF && ls -l $GGUF ;;
+stage)  # chunk 0 starts the file; chunk N > 0 goes after N chunks of 45 MiB, so a host lost between calls (its
+    # /tmp/dc is gone) is caught here
+    mkdir -p $DC; [ "$2" = 0 ] && : > $GGUF; have=$(stat -c %s $GGUF 2>/dev/null || echo 0)
+    [ "$have" = $(( $2 * 45 * 1048576 )) ] || { echo "the staged GGUF holds $have bytes, not $2 chunks: start at 0"; exit 1; }
+    cat .stage/c"$2"/part* >> $GGUF && ls -l $GGUF ;;
 prep)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site "${2:-.work/whl}"/*.whl || exit 1
     echo "$SHA  $GGUF" | sha256sum -c || exit 1
