@@ -73,6 +73,7 @@ class DraftGraphs:
         self.temps = Staging(b, torch.float32, self.device)  # per-row temperature, 0 on padded rows
         self.dev = self.ints.dev
         self._runners: dict[tuple[int, int, bool], Callable[[], DraftProposal]] = {}
+        self._views: dict[tuple[int, int], dict[str, Tensor]] = {}  # (batch, context) bucket -> its staged fields
         self._pool = None
 
     def fits_context(self, rows: int, shape: tuple[int, int]) -> bool:
@@ -147,7 +148,7 @@ class DraftGraphs:
         """On the device: the first r rows' anchors, anchor positions, sequence lengths, block positions and slots
         moved past the accepted tokens of `packed` (the layout holds the verify's anchor positions)."""
         ql, w = self.ql, c // self.bs
-        v = draft_layout(b, ql, self.cr, w).views(self.dev)
+        v = self._fields(b, c)
         a = packed[:, 0]
         pos = v["anchor_pos"][:r] + a + 1  # [R]
         block = pos[:, None] + torch.arange(ql, device=self.dev.device)  # [R, ql]
@@ -158,6 +159,12 @@ class DraftGraphs:
         v["positions"][:r * ql] = block.flatten()
         slots = table.gather(1, block // self.bs) * self.bs + block % self.bs  # [R, ql]
         v["slots"][:r * ql] = slots.flatten()
+
+    def _fields(self, b: int, c: int) -> dict[str, Tensor]:
+        """The bucket's fields of the device staging buffer, by name (views, cut once)."""
+        if (b, c) not in self._views:
+            self._views[b, c] = draft_layout(b, self.ql, self.cr, c // self.bs).views(self.dev)
+        return self._views[b, c]
 
     def _layout(self, anchors: list[int], anchor_pos: list[int], tables: list[list[int]], seeds: list[int], b: int,
                 c: int, context: tuple[list[list[int]], list[int], list[int]] = ([], [], [])) -> list[int]:
@@ -184,7 +191,7 @@ class DraftGraphs:
     def _build(self, b: int, c: int, need_q: bool) -> Callable[[], DraftProposal]:
         side, ql, w = self.side, self.ql, c // self.bs
         m, cfg, n = side.model, side.model.config, side.num_speculative_tokens
-        v = draft_layout(b, ql, self.cr, w).views(self.dev)
+        v = self._fields(b, c)
         anchors, anchor_pos, seeds = v["anchors"], v["anchor_pos"], v["seeds"]
         ctx_pos, ctx_slots = v["context_positions"], v["context_slots"]
         feats = self.feats[:b * self.cr]
