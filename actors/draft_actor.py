@@ -55,4 +55,4 @@ class DraftActor:
         import ray
 
         return {"device": str(self.device), "num_speculative_tokens": self.side.num_speculative_tokens,
-                "free_blocks": self.side.allocator.num_free, "node_id": ray.get_runtime_context().get_node_id()}
+                "num_blocks": self.side.num_blocks, "node_id": ray.get_runtime_context().get_node_id()}

@@ -75,7 +75,7 @@ class VerifierActor:
         end.target_vocab = self.llm.target.vocab_size
         n = self.spec.num_speculative_tokens or self.draft_cfg.num_speculative_tokens
         self._new_draft = RemoteDraft(end, n, self.draft_cfg.query_len, self.cfg.engine.kv_blocks,
-                                      self.cfg.engine.block_size)
+                                      self.cfg.engine.block_size, self.draft_cfg.enable_confidence_head)
         return True
 
     def _open_channel(self, host: str, port: int, backend: str) -> VerifierEnd:
@@ -101,7 +101,8 @@ class VerifierActor:
         remote = None
         if end is not None:
             n = self.spec.num_speculative_tokens or self.draft_cfg.num_speculative_tokens
-            remote = RemoteDraft(end, n, self.draft_cfg.query_len, c.kv_blocks, c.block_size)
+            remote = RemoteDraft(end, n, self.draft_cfg.query_len, c.kv_blocks, c.block_size,
+                                 self.draft_cfg.enable_confidence_head)
         # co-located: the draft runs in this actor, on its device; else behind the step channel
         engine = replace(c, device=str(self.device), draft=c.draft if self.cfg.colocate else None)
         self.llm = LLM.from_config(engine, draft_side=remote,
@@ -124,7 +125,7 @@ class VerifierActor:
                 busy = self.llm.has_unfinished()
                 frames, lost = self.stream.poll(0.0 if busy else IDLE_POLL_S)
                 if lost:  # the gateway that owned the open requests is gone
-                    for rid in list(self.llm.scheduler.live_ids()):
+                    for rid in list(self.llm.core.live_ids()):
                         self.llm.abort(rid)
                 for frame in frames:
                     self._apply(frame)
@@ -132,7 +133,7 @@ class VerifierActor:
                 self._swap_draft()
                 if self.llm.has_unfinished():
                     remote = self.llm.draft
-                    self._publish(self.llm.scheduler.step())
+                    self._publish(self.llm.core.step())
                     if remote is not None and self.llm.draft is None:  # the step found the draft gone
                         self._close_channel()
                 else:
@@ -173,7 +174,7 @@ class VerifierActor:
             try:
                 req = self.llm.new_request(prompt_ids, SamplingParams(**params), request_id=rid,
                                            num_speculative_tokens=n, confidence_threshold=threshold)
-                self.llm.scheduler.add(req)
+                self.llm.core.add(req)
             except (ValueError, TypeError) as e:
                 self.stream.send(("rejected", rid, str(e)))
         elif frame[0] == "abort":
@@ -238,14 +239,13 @@ class VerifierActor:
             return None
 
     def stats(self) -> dict:
-        s = self.llm.scheduler
+        s, kv = self.llm.scheduler, self.llm.kv
         c = self._counters
-        draft = self.llm.draft
+        draft = kv.draft if self.llm.draft is not None else None
         return {"num_running": len(s.running), "num_waiting": len(s.waiting),
-                "free_target_blocks": self.llm.target.allocator.num_free,
-                "total_target_blocks": self.llm.target.allocator.num_blocks,
-                "free_draft_blocks": draft.allocator.num_free if draft else 0,
-                "total_draft_blocks": draft.allocator.num_blocks if draft else 0,
+                "free_target_blocks": kv.target.num_free, "total_target_blocks": kv.target.num_blocks,
+                "free_draft_blocks": draft.num_free if draft else 0,
+                "total_draft_blocks": draft.num_blocks if draft else 0,
                 "requests_finished": c["requests_finished"], "tokens_generated": c["tokens_generated"],
                 "steps": c["steps"], "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1),
                 "draining": self._draining, "num_cuda_graphs": self.llm.num_cuda_graphs,

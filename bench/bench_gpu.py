@@ -92,6 +92,15 @@ def requests(batch: int, context: int, n_draft: int) -> list[Request]:
     return reqs
 
 
+def blocks_of(side, _pools={}):
+    """A block pool over a side's cache (the engine's KVCacheManager owns it when serving)."""
+    from dspark_serve.engine.kv_cache import BlockAllocator
+
+    if id(side) not in _pools:
+        _pools[id(side)] = (side, BlockAllocator(side.num_blocks, side.block_size))
+    return _pools[id(side)][1]
+
+
 def parse_dispatch(spec: str) -> KernelConfig:
     """"PDL=1,DENSE_GEMV=0" -> the installed KernelConfig with those fields (names case-insensitive)."""
     items = {}
@@ -127,11 +136,11 @@ def bench_target(name: str, batches: list[int], context: int, device: str, dtype
         for batch in batches:
             reqs = requests(batch, context, 7)
             for r in reqs:
-                r.target_blocks = side.allocator.allocate(context + 16)
+                r.target_blocks = blocks_of(side).allocate(context + 16)
             plain = time_ms(lambda: side.run(reqs, [[5]] * batch, last_only=False), device, iters)
             verify = time_ms(lambda: side.run(reqs, [[5] * 8] * batch, last_only=False), device, iters)
             for r in reqs:
-                side.allocator.free(r.target_blocks)
+                blocks_of(side).free(r.target_blocks)
             rows.append({"model": name, "graphs": static, "batch": batch, "context": context, "plain_ms": plain,
                          "plain_tok_s": batch / plain * 1e3, "floor_ms": floor_ms, "pct_of_floor": floor_ms / plain,
                          "verify_ms": verify, "verify_over_plain": verify / plain, "dispatch": variant})
@@ -173,7 +182,7 @@ def draft_side(draft: DSparkDraft, batch: int, context: int, topk: int, static: 
     side = DraftSide(draft, batch * -(-(context + 16) // BLOCK), BLOCK, spec, draft.embed_tokens.num_embeddings)
     if static:
         side.use_static_shapes(context + 64)
-    tables = [side.allocator.allocate(context + 16) for _ in range(batch)]
+    tables = [blocks_of(side).allocate(context + 16) for _ in range(batch)]
     width = max(len(t) for t in tables)
     inp = DraftInput(anchors=torch.full((batch,), 5), anchor_pos=torch.full((batch,), context),
                      ctx_start=torch.full((batch,), context), ctx_len=torch.zeros(batch, dtype=torch.int64),
@@ -229,7 +238,7 @@ def kernel_table(name: str, context: int, device: str, dtype: torch.dtype, top: 
     side = TargetSide(model, -(-(context + 16) // BLOCK) + 1, BLOCK)
     side.use_static_shapes((1,), max_model_len=context + 64)
     reqs = requests(1, context, 7)
-    reqs[0].target_blocks = side.allocator.allocate(context + 16)
+    reqs[0].target_blocks = blocks_of(side).allocate(context + 16)
     step = "plain" if tokens == 1 else f"{tokens}-token"
     return profile_table(f"{name} {step} step, batch 1", lambda: side.run(reqs, [[5] * tokens], last_only=False),
                          device, top)

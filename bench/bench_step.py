@@ -100,8 +100,8 @@ def timeline(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float]:
     """Medians per step, µs: waiting for the step's accepted counts (the sync), host time from that sync to the
     next graph launch (the device idles unless work was queued ahead), from that launch to the next (the verify
     after the draft), and the step's wall time."""
-    from dspark_serve.engine import spec_step as ss
-    finish, replay = ss._finish, torch.cuda.CUDAGraph.replay if torch.cuda.is_available() else None
+    from dspark_serve.engine.core import executor as ss
+    finish, replay = ss.finish, torch.cuda.CUDAGraph.replay if torch.cuda.is_available() else None
     marks: list[tuple[str, float]] = []
 
     def timed_finish(*a, **k):
@@ -114,13 +114,13 @@ def timeline(llm: LLM, prompt: list[int], tokens: int) -> dict[str, float]:
     def timed_replay(self):
         marks.append(("replay", time.perf_counter()))
         return replay(self)
-    ss._finish = timed_finish
+    ss.finish = timed_finish
     if replay is not None:
         torch.cuda.CUDAGraph.replay = timed_replay
     try:
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
     finally:
-        ss._finish = finish
+        ss.finish = finish
         if replay is not None:
             torch.cuda.CUDAGraph.replay = replay
     waits, gaps, between, walls = [], [], [], []
@@ -243,9 +243,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "torch": torch.__version__, "tokens": args.tokens, "speculative_config": args.speculative_config,
                     "dense_min_rows": DENSE_NVFP4_MIN_ROWS}
     for name, llm in (("plain", plain), ("spec", spec)):
-        llm.scheduler.pipeline.step_ahead = False  # the same run without launching the next step ahead, for the ratio
+        llm.executor.pipeline.step_ahead = False  # the same run without launching the next step ahead, for the ratio
         ms_alone, _ = ms_per_step(llm, prompt, args.tokens)
-        llm.scheduler.pipeline.step_ahead = args.device == "cuda"
+        llm.executor.pipeline.step_ahead = args.device == "cuda"
         pauses: list[float] = []
         ms, steps = ms_per_step(llm, prompt, args.tokens, pauses)
         result[name] = {"ms_per_step": ms, "ms_per_step_without_step_ahead": ms_alone, "steps": steps,
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
             result[name]["draft_graphs"] = graph_costs(llm.draft.graphs._runners, args.device)
             chain = {False: [], True: []}  # the draft chained behind the verify launched ahead, off / on, alternated
             for on in (False, True, False, True):
-                llm.scheduler.pipeline.chain_ahead = on and args.device == "cuda"
+                llm.executor.pipeline.chain_ahead = on and args.device == "cuda"
                 chain[on].append(ms_per_step(llm, prompt, args.tokens)[0])
             result[name]["ms_per_step_chain_off_on"] = [chain[False], chain[True]]
         result[name]["host_profile"] = host_profile(llm, prompt, args.tokens, args.top, args.sort)

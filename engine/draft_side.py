@@ -15,7 +15,7 @@ from dspark_serve.models.token_map import load_token_map, restrict_draft_vocab
 from .runner.draft_graphs import DraftGraphs
 from .runner.draft_runner import DraftRunner
 from .drafter import DraftInput, DraftProposal
-from .kv_cache import BlockAllocator, batch_metadata, positions_of
+from .kv_cache import batch_metadata, positions_of
 from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
 
@@ -42,7 +42,7 @@ class DraftSide:
         self.device = model.fc.weight.device
         self.runner = DraftRunner(model, kernels, spec.dspark_quantize_lm_head)  # prepared for its device
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded rows
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.num_blocks = num_blocks  # the verifier's KVCacheManager hands out their ids
         self.graphs: DraftGraphs | None = None
         self._scatter_cols = torch.arange(cfg.draft_vocab_size, device=self.device) + model.d2t.to(self.device)
         self._w2_nvfp4 = model.markov_head is not None and isinstance(model.markov_head.markov_w2, NVFP4Linear)
@@ -50,7 +50,7 @@ class DraftSide:
 
     def use_static_shapes(self, max_model_len: int, capture: bool | None = None) -> None:
         """Block pass + Markov walk with static shapes (CUDA graphs on CUDA) for steps that fit a bucket."""
-        self.graphs = DraftGraphs(self, self.allocator.num_blocks * self.block_size, max_model_len,
+        self.graphs = DraftGraphs(self, self.num_blocks * self.block_size, max_model_len,
                                   capture_graphs=capture)
 
     def warm_up(self, max_batch: int = 1) -> int:
@@ -63,8 +63,12 @@ class DraftSide:
         return self.model.config.query_len
 
     @property
+    def has_confidence(self) -> bool:
+        return self.model.confidence_head is not None
+
+    @property
     def can_chain(self) -> bool:
-        """With static shapes a draft can be queued behind a verify on the device (engine/draft_chain.py)."""
+        """With static shapes a draft can be queued behind a verify on the device (engine/core/pipeline.py)."""
         return self.graphs is not None
 
     @torch.inference_mode()

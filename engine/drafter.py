@@ -3,13 +3,12 @@ DraftSide and a draft behind the step channel (actors/remote_draft.py) implement
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from .kv_cache import BlockAllocator
 from .request import Request
 
 
@@ -31,23 +30,37 @@ class DraftInput:
     seeds: Tensor  # [R] int64
 
 
-def draft_input(reqs: list[Request], anchors: list[int] | None = None,
-                anchor_pos: list[int] | None = None) -> DraftInput:
+@dataclass
+class DraftContext:
+    """The executor's record of one request's draft context: K/V written for positions [0, length), and the
+    target's features of the positions after it that the draft has not been given yet."""
+
+    length: int = 0
+    pending: list[Tensor] = field(default_factory=list)  # [rows, F] each, positions length .. num_computed - 1
+
+    def reset(self) -> None:
+        self.length, self.pending = 0, []
+
+
+def draft_input(reqs: list[Request], contexts: list[DraftContext], anchors: list[int] | None = None,
+                anchor_pos: list[int] | None = None, computed: list[int] | None = None) -> DraftInput:
     """Collect the step's draft input (host tensors, except the features) and mark the pending features as
-    handed over. `anchors` / `anchor_pos` override the requests' own (drafting ahead of the commit)."""
+    handed over. `anchors` / `anchor_pos` / `computed` override the requests' own (drafting ahead of the
+    commit)."""
+    computed = [r.num_computed for r in reqs] if computed is None else computed
     width = max(len(r.draft_blocks) for r in reqs)
-    feats = [f for r in reqs for f in r.pending_features]
+    feats = [f for c in contexts for f in c.pending]
     ints = torch.tensor([[r.anchor for r in reqs] if anchors is None else anchors,
                          [r.anchor_pos for r in reqs] if anchor_pos is None else anchor_pos,
-                         [r.draft_context_len for r in reqs], [r.num_computed - r.draft_context_len for r in reqs],
+                         [c.length for c in contexts], [n - c.length for n, c in zip(computed, contexts)],
                          [r.seed for r in reqs]], dtype=torch.int64)  # [5, R]
     inp = DraftInput(
         anchors=ints[0], anchor_pos=ints[1], ctx_start=ints[2], ctx_len=ints[3],
         features=torch.cat(feats) if len(feats) > 1 else (feats[0] if feats else None),
         block_table=torch.tensor([r.draft_blocks + [0] * (width - len(r.draft_blocks)) for r in reqs]),
         temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32), seeds=ints[4])
-    for r in reqs:
-        r.draft_context_len, r.pending_features = r.num_computed, []
+    for n, c in zip(computed, contexts):
+        c.length, c.pending = n, []
     return inp
 
 
@@ -70,9 +83,9 @@ class DraftProposal:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What the scheduler and the speculative step use of a draft. The draft cache's block ids are bookkept in
-    `allocator` (in the verifier's process) and travel in each DraftInput; `propose` raises DraftUnavailable when
-    the draft cannot answer."""
+    """What the engine uses of a draft: one proposal per step. Its cache's block ids are the verifier's
+    KVCacheManager's (a pool of `num_blocks`) and travel in each DraftInput; `propose` raises DraftUnavailable
+    when the draft cannot answer."""
 
     @property
     def num_speculative_tokens(self) -> int: ...  # N: drafts per step at most
@@ -81,18 +94,12 @@ class Drafter(Protocol):
     def query_len(self) -> int: ...  # cache slots a step's block occupies past the anchor's position
 
     @property
-    def allocator(self) -> BlockAllocator: ...  # the draft cache's block pool
+    def num_blocks(self) -> int: ...  # blocks of the draft's context cache
 
     @property
     def device(self) -> torch.device: ...  # where the proposal arrives (drafting ahead is on for CUDA)
 
     @property
-    def can_chain(self) -> bool: ...  # whether propose_chained can queue a draft behind a verify on this device
+    def has_confidence(self) -> bool: ...  # its proposals carry confidence logits
 
     def propose(self, inp: DraftInput) -> DraftProposal: ...
-
-    def propose_chained(self, packed: Tensor, anchor_pos: list[int], n: list[int], tables: list[list[int]],
-                        temperature: list[float], seeds: list[int], feats: list[Tensor]) -> DraftProposal | None:
-        """The draft of the step after a verify still on the device (packed [R, 1 + W]: its accept), queued behind
-        it; None when it cannot be staged."""
-        ...

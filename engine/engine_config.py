@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .core.step_costs import StepCosts
 from .spec_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_NUM_KV_BLOCKS = 2048
+DEFAULT_MAX_BATCHED_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -35,12 +37,15 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # per model; None: DEFAULT_NUM_KV_BLOCKS, or what gpu_memory_utilization fits
     gpu_memory_utilization: float | None = None  # on a GPU: as many KV blocks as fit in this share of its memory
     max_num_seqs: int = 64  # requests decoded together at most (CUDA graphs are recorded up to this batch)
+    max_num_batched_tokens: int | None = None  # tokens one step processes (decode rows, verified drafts, prompt
+    # chunks); None: DEFAULT_MAX_BATCHED_TOKENS, at least max_num_seqs
     max_model_len: int | None = None  # the longest prompt + output; None: the target's max_position_embeddings
     enforce_eager: bool | None = None  # vLLM's name; None: True on CPU, False on CUDA (static shapes, CUDA graphs)
     warmup: bool = True  # record the CUDA graphs at start rather than on the first requests that meet them
     tokenizer: str | None = None  # a tokenizer directory; None: the target directory's
     chat_template: str | None = None  # a Jinja file rendering chat input, overriding the target's template
     kernels: KernelConfig | None = None  # None: KernelConfig.for_device(the engine's device)
+    step_costs: StepCosts | None = None  # the policy's step costs; None: measured when the engine starts
 
     def validate(self) -> None:
         """ValueError naming the field; the limits that need the loaded models (max_model_len against the target,
@@ -54,6 +59,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        t = self.max_num_batched_tokens
+        if t is not None and (not isinstance(t, int) or t < self.max_num_seqs):
+            raise ValueError(f"max_num_batched_tokens must be an int >= max_num_seqs ({self.max_num_seqs}), got {t!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be an int >= 1, got {self.num_kv_blocks!r}")
         u = self.gpu_memory_utilization
@@ -64,6 +72,12 @@ class EngineConfig:
         self.speculative_config.validate()
         if self.kernels is not None:
             self.kernels.validate()
+
+    @property
+    def batched_tokens(self) -> int:
+        """The step's token budget."""
+        t = self.max_num_batched_tokens
+        return max(DEFAULT_MAX_BATCHED_TOKENS, self.max_num_seqs) if t is None else t
 
     @property
     def kv_blocks(self) -> int:
@@ -101,6 +115,16 @@ class EngineConfig:
         spec = raw.pop("speculative_config", None)
         spec = spec if isinstance(spec, SpeculativeConfig) else SpeculativeConfig.from_json(spec)
         kernels = raw.pop("kernel_config", raw.pop("kernels", None))
+        costs = raw.get("step_costs")
+        if isinstance(costs, (str, Path)):
+            import json
+            text = Path(costs).read_text() if Path(costs).is_file() else str(costs)
+            try:
+                costs = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"step_costs is neither a JSON object nor a JSON file: {e}") from None
+        if isinstance(costs, dict):
+            raw["step_costs"] = StepCosts.from_dict(costs)
         dtype = raw.pop("dtype", None)
         dtype = None if dtype == "auto" else (str(dtype).removeprefix("torch.") if dtype is not None else None)
         for name in ("target", "draft", "tokenizer", "chat_template"):
@@ -160,6 +184,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "CUDA graphs (vLLM's flag; one process's caches: co-located pairs); default: --num-kv-blocks")
     p.add_argument("--max-num-seqs", type=int, default=64,
                    help="requests decoded together at most (CUDA graphs are recorded up to this batch)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens one step processes at most: decode rows, verified drafts and prompt chunks (long "
+                        "prompts are prefilled in chunks beside running streams; vLLM's flag; default "
+                        f"{DEFAULT_MAX_BATCHED_TOKENS}, at least --max-num-seqs)")
+    p.add_argument("--step-costs",
+                   help="the speculation policy's step costs (JSON or a JSON file, StepCosts.to_dict's shape: verify "
+                        "ms by requests and tokens, draft ms by requests); default: measured when the engine starts")
     p.add_argument("--max-model-len", type=int,
                    help="longest prompt + output (default: the target's max_position_embeddings; larger is refused)")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (vLLM's flag)")

@@ -28,7 +28,12 @@ from .engine_config import DEFAULT_NUM_KV_BLOCKS, EngineConfig
 from .kv_sizing import block_bytes, graph_reserve_bytes, kv_blocks_for_memory
 from .request import Request, RequestOutput, StepOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .core.cost_probe import probe_costs
+from .core.engine_core import EngineCore, draft_shape
+from .core.executor import Executor
+from .core.kv_manager import KVCacheManager
+from .core.policy import SpecPolicy
+from .core.scheduler import Scheduler, SchedulerConfig, reserve_slots
 from .spec_config import SpeculativeConfig
 from .target_side import TargetSide
 
@@ -121,18 +126,21 @@ class LLM:
         self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture, kernels=kernels)
         draft_side = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size, kernels) \
             if draft_model is not None else draft_side
-        lookahead = 1 + (max(draft_side.num_speculative_tokens, draft_side.query_len - 1) if draft_side else 0)
         self.spec = spec
         self.max_model_len = context_limit(cfg.max_model_len, target_model.config.max_position,
-                                           num_kv_blocks * block_size - lookahead)
+                                           num_kv_blocks * block_size - reserve_slots(draft_shape(draft_side)))
         if not (self.target.device.type != "cuda" if cfg.enforce_eager is None else cfg.enforce_eager):
             drafts = draft_side.num_speculative_tokens if draft_side is not None else 0
             self.target.use_static_shapes((1, 1 + drafts) if drafts else (1,), self.max_model_len)
             if isinstance(draft_side, DraftSide):
                 draft_side.use_static_shapes(self.max_model_len)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
-        self.scheduler = Scheduler(self.target, draft_side, spec, max_num_seqs=max_num_seqs,
-                                   eos_token_ids=tuple(eos_token_ids or ()))
+        kv = KVCacheManager(num_kv_blocks, block_size, draft_side.num_blocks if draft_side is not None else None)
+        sched = SchedulerConfig(max_num_seqs, cfg.batched_tokens, tuple(eos_token_ids or ()))
+        self._costs = cfg.step_costs
+        self.core = EngineCore(Scheduler(sched, kv, draft_shape(draft_side), self._policy(draft_side)),
+                               Executor(self.target, draft_side, spec), target_model.config.vocab_size,
+                               self._policy)
         self._ids = itertools.count()
         # request id -> (prompt ids, its text, its logprobs so far or None)
         self._streams: dict[str, tuple[list[int], TextStream, list[tuple] | None]] = {}
@@ -140,10 +148,32 @@ class LLM:
         self._loop_task: asyncio.Task | None = None
         if cfg.warmup:
             self.warm_up()
+        if self._costs is None and spec.enable_adaptive_verification and isinstance(draft_side, DraftSide):
+            self._costs = probe_costs(self.target, draft_side, max_num_seqs)
+            self.core.scheduler.policy = self._policy(draft_side)
         # Everything alive now (models, tokenizer, imported modules) leaves the cyclic collector's view, so that a
         # full collection during decoding does not walk it and stall a step.
         gc.collect()
         gc.freeze()
+
+    def _policy(self, draft: Any) -> SpecPolicy | None:
+        """The speculation policy for a draft (None: plain decoding), with the engine's step costs."""
+        if draft is None:
+            return None
+        return SpecPolicy(draft.num_speculative_tokens, draft.has_confidence, self.spec.enable_adaptive_verification,
+                          self._costs, self.spec.dspark_max_verify_tokens)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def executor(self) -> Executor:
+        return self.core.executor
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.core.scheduler.kv
 
     @staticmethod
     def _kv_blocks(num_kv_blocks: int | None, utilization: float | None, target: QwenForCausalLM,
@@ -165,7 +195,7 @@ class LLM:
         max_batch, default max_num_seqs), then run one short generation, plain and speculative, so that nothing
         is compiled on a request's time; -> how many graphs. Off the GPU or with enforce_eager: nothing."""
         t0 = time.perf_counter()
-        top = self.scheduler.max_num_seqs if max_batch is None else max_batch
+        top = self.core.scheduler.cfg.max_num_seqs if max_batch is None else max_batch
         n = self.target.warm_up(top) + (self.draft.warm_up(top) if isinstance(self.draft, DraftSide) else 0)
         if n:
             prompt = [(7 * i) % min(self.target.vocab_size, 1000) for i in range(96)]
@@ -191,11 +221,11 @@ class LLM:
     @property
     def draft(self) -> DraftSide | Any:
         """The draft side in use (a DraftSide, or one behind the step channel); None: plain decoding."""
-        return self.scheduler.draft
+        return self.core.draft
 
     def set_draft(self, draft: DraftSide | Any) -> None:
         """Swap the draft (None: plain decoding). Requests already queued or running go on plainly."""
-        self.scheduler.set_draft(draft)
+        self.core.set_draft(draft)
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -219,7 +249,7 @@ class LLM:
                              f"or ask the server), got {params.n!r}")
         req = self.new_request(prompt, params, request_id=request_id, num_speculative_tokens=num_speculative_tokens,
                                confidence_threshold=confidence_threshold)
-        self.scheduler.add(req)
+        self.core.add(req)
         stream = text_stream(self.token_text, params.stop, params.include_stop_str_in_output, params.min_tokens,
                              params.skip_special_tokens)
         self._streams[req.request_id] = (req.prompt_ids, stream, [] if params.logprobs is not None else None)
@@ -246,16 +276,17 @@ class LLM:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         seed = params.seed if params.seed is not None else secrets.randbits(62)  # fresh per request and process
         rid = request_id or f"req-{next(self._ids)}"
-        return Request(rid, ids, params, seed, n, confidence_threshold=confidence_threshold)
+        return Request(rid, ids, params, seed, n, confidence_threshold=confidence_threshold,
+                       spec_pinned=num_speculative_tokens is not None)
 
     def abort(self, request_id: str) -> bool:
         """End the request at the next step, whose outputs carry its final one (finish_reason "abort"); False
         when it is not queued or running."""
-        return self.scheduler.abort(request_id)
+        return self.core.abort(request_id)
 
     def step(self) -> list[RequestOutput]:
         """One engine step; each output carries the request's new tokens and text."""
-        return [o for o in map(self._process, self.scheduler.step()) if o is not None]
+        return [o for o in map(self._process, self.core.step()) if o is not None]
 
     def _process(self, out: StepOutput) -> RequestOutput | None:
         """Text, stop strings and the cumulative view of one request's step output. A stop string ends the
@@ -275,7 +306,7 @@ class LLM:
                 all_logprobs.extend(logprobs[:len(new)])
             if stream.stopped:
                 if reason is None:
-                    self.scheduler.abort(rid)
+                    self.core.abort(rid)
                     return self._output(rid, entry, new, None, {}, delta)
                 reason = "stop"
             elif reason is not None:
@@ -293,7 +324,7 @@ class LLM:
                              stats, delta, list(logprobs) if logprobs is not None else None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished()
 
     def generate(self, prompts: Sequence[str | list[int]] | str, params: SamplingParams | Sequence[SamplingParams]
                  | None = None, progress: Callable[[int, int], None] | None = None) -> list[RequestOutput]:

@@ -23,6 +23,7 @@ class RequestStats:
     drafted: int = 0  # draft tokens sent to verification
     accepted: int = 0  # of those, accepted
     accepted_per_step: list[int] = field(default_factory=list)
+    verified_per_step: list[int] = field(default_factory=list)  # drafts verified each step (the chosen length)
     per_position_accepted: list[int] = field(default_factory=list)  # [num_speculative_tokens]
     draft_ms: float = 0.0
     verify_ms: float = 0.0
@@ -38,7 +39,8 @@ class RequestStats:
 
     def to_dict(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
-                "accepted_per_step": list(self.accepted_per_step), "tau": self.tau,
+                "accepted_per_step": list(self.accepted_per_step),
+                "verified_per_step": list(self.verified_per_step), "tau": self.tau,
                 "per_position_accepted": list(self.per_position_accepted),
                 "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3),
                 "transfer_ms": round(self.transfer_ms, 3), "queue_ms": round(self.queue_ms, 3),
@@ -53,13 +55,11 @@ class Request:
     seed: int
     num_speculative_tokens: int  # this request's cap (0 = plain decoding)
     confidence_threshold: float | None = None  # overrides the server's dspark_confidence_threshold
+    spec_pinned: bool = False  # the request fixed its number of drafts: every step verifies all it can
     output_ids: list[int] = field(default_factory=list)
-    target_blocks: list[int] = field(default_factory=list)
-    draft_blocks: list[int] = field(default_factory=list)
+    target_blocks: list[int] = field(default_factory=list)  # the KVCacheManager's to write
+    draft_blocks: list[int] = field(default_factory=list)  # (the draft's context cache)
     num_computed: int = 0  # target K/V valid for positions [0, num_computed)
-    draft_context_len: int = 0  # draft context K/V valid for positions [0, draft_context_len)
-    pending_features: list[Tensor] = field(default_factory=list)  # target features of [draft_context_len, num_computed)
-    last_survival: Tensor | None = None  # [N] prefix survival from the previous step (for the budget rule)
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     banned_before_min: tuple[int, ...] = ()  # ids masked before min_tokens: EOS (unless ignore_eos), stop token ids

@@ -17,8 +17,8 @@ class SpeculativeConfig:
     draft_sample_method: str = "probabilistic"  # or "greedy": argmax drafts even for sampled requests
     dspark_confidence_threshold: float = 0.0  # verify the drafts before the first with c_k < this (DeepSpec); 0 = off
     dspark_survival_threshold: float = 0.0  # verify the drafts whose survival prod_{i<=k} c_i >= this; 0 = off
-    dspark_budget_frac: float = 0.0  # > 0: verify the top floor(R * N * frac) + 1 slots by last step's survival
-    dspark_max_verify_tokens: int = 0  # > 0: at most this many drafts per step, the likeliest first (load shedding)
+    enable_adaptive_verification: bool = True  # vLLM's name: each step verifies the drafts worth their cost
+    dspark_max_verify_tokens: int = 0  # > 0: at most this many drafts per step, the likeliest first
     dspark_quantize_lm_head: bool = False  # draft logits from a 4-bit (NVFP4) copy of a bf16 lm_head (the target's)
     dspark_token_map: str | None = None  # FR-Spec token map (.pt / .json ids): the draft scores only those tokens
     model: str | None = None  # the draft directory (vLLM's field), may also be given separately
@@ -50,8 +50,9 @@ class SpeculativeConfig:
                                                   or not self.dspark_token_map):
             raise ValueError("speculative_config.dspark_token_map must be the path of a token map file, "
                              f"got {self.dspark_token_map!r}")
-        if not 0.0 <= self.dspark_budget_frac <= 1.0:
-            raise ValueError(f"speculative_config.dspark_budget_frac must be in [0, 1], got {self.dspark_budget_frac!r}")
+        if not isinstance(self.enable_adaptive_verification, bool):
+            raise ValueError("speculative_config.enable_adaptive_verification must be true or false, "
+                             f"got {self.enable_adaptive_verification!r}")
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any] | None) -> SpeculativeConfig:

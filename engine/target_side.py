@@ -8,7 +8,7 @@ from torch import Tensor
 from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.models.qwen import QwenForCausalLM
 
-from .kv_cache import BlockAllocator, batch_metadata, positions_of
+from .kv_cache import batch_metadata, positions_of
 from .runner.prompt_graphs import PromptGraphs
 from .runner.target_graphs import TargetGraphs
 from .runner.target_runner import TargetRunner
@@ -24,14 +24,14 @@ class TargetSide:
         self.device = model.lm_head.weight.device
         self.runner = TargetRunner(model, kernels)  # prepared for its device
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded tokens
-        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.num_blocks = num_blocks  # the KVCacheManager hands out their ids
         self.graphs: TargetGraphs | None = None
         self.prompts: PromptGraphs | None = None
 
     def use_static_shapes(self, query_lens: tuple[int, ...], max_model_len: int, capture: bool | None = None) -> None:
         """Decode/verify steps that fit a bucket, and the prefill of a few fresh prompts, run with static shapes (as
         CUDA graphs on CUDA)."""
-        trash = self.allocator.num_blocks * self.block_size
+        trash = self.num_blocks * self.block_size
         self.graphs = TargetGraphs(self.runner, self.cache, self.block_size, trash, query_lens, max_model_len,
                                    self.capture_layers, capture=capture)
         kernels = self.runner.kernels
@@ -50,18 +50,19 @@ class TargetSide:
         return self.model.config.vocab_size
 
     @torch.inference_mode()
-    def verify(self, reqs: list[Request], drafts: Tensor | None, n: list[int],
-               anchors: list[int] | None = None) -> tuple[Tensor, list[Tensor | None], Tensor | None]:
+    def verify(self, reqs: list[Request], drafts: Tensor | None, n: list[int], anchors: list[int] | None = None,
+               computed: list[int] | None = None) -> tuple[Tensor, list[Tensor | None], Tensor | None]:
         """Each request's anchor (`anchors` overrides r.anchor) plus its first n[b] drafts (drafts [R, N] int64 on
         the device, or None): run()'s outputs, and on the static path their greedy verification, computed in the
         graph ([R, 1 + q]: accepted count, output tokens; else None). On the static path the drafts stay on the
-        device; otherwise they are read to the host first."""
-        starts, lens = [r.num_computed for r in reqs], [1 + k for k in n]
+        device; otherwise they are read to the host first. `computed` overrides the requests' num_computed."""
+        starts, lens = [r.num_computed for r in reqs] if computed is None else computed, [1 + k for k in n]
         anchors = [r.anchor for r in reqs] if anchors is None else anchors
         shape = self.graphs.shape_for(starts, lens) if self.graphs is not None else None
         if shape is None:
             rows = drafts.tolist() if drafts is not None else [[] for _ in reqs]
-            return *self.run(reqs, [[a] + d[:k] for a, d, k in zip(anchors, rows, n)], last_only=False), None
+            return *self.run(reqs, [[a] + d[:k] for a, d, k in zip(anchors, rows, n)], last_only=False,
+                             starts=starts), None
         return self._run_static(reqs, starts, [[a] + [0] * k for a, k in zip(anchors, n)], shape, drafts)
 
     def _run_static(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], shape: tuple[int, int, int],
@@ -73,15 +74,16 @@ class TargetSide:
         return logits[:, :max(lens)], per_req, accept
 
     @torch.inference_mode()
-    def run(self, reqs: list[Request], tokens: list[list[int]], last_only: bool) -> tuple[Tensor, list[Tensor | None]]:
-        """Write `tokens[b]` at positions num_computed.. of reqs[b].
+    def run(self, reqs: list[Request], tokens: list[list[int]], last_only: bool,
+            starts: list[int] | None = None) -> tuple[Tensor, list[Tensor | None]]:
+        """Write `tokens[b]` at positions starts[b].. (default: num_computed) of reqs[b].
 
         Returns logits [R, Q, V] fp32 (Q = 1 with last_only, else the longest token list; rows past len(tokens[b])
         are padding: zeros here, arbitrary on the static path, never to be read) and per request the captured
         features [len(tokens[b]), len(capture) * hidden] (or None).
-        Does not advance num_computed: the caller commits what was accepted.
+        Does not advance num_computed: the scheduler commits what was accepted.
         """
-        starts = [r.num_computed for r in reqs]
+        starts = [r.num_computed for r in reqs] if starts is None else starts
         lens = [len(t) for t in tokens]
         if last_only and self.prompts is not None and self.prompts.takes(starts, lens):
             return self.prompts.run([r.target_blocks for r in reqs], tokens)

@@ -27,7 +27,8 @@ def engine_leaks() -> list[str]:
     for llm in list(ENGINES):
         if llm.has_unfinished():
             continue
-        pools = [("target", llm.target.allocator)] + ([("draft", llm.draft.allocator)] if llm.draft else [])
+        kv = llm.kv
+        pools = [("target", kv.target)] + ([("draft", kv.draft)] if kv.draft is not None else [])
         bad += [f"{name}: {p.num_free} of {p.num_blocks} blocks free while idle" for name, p in pools
                 if p.num_free != p.num_blocks]
     return bad

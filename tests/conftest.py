@@ -27,6 +27,17 @@ def _blocks_free_when_idle():
 
 
 @pytest.fixture(autouse=True)
+def _pinned_step_costs(monkeypatch):
+    """Engines built in tests get fixed step costs instead of timing their models on a busy machine (the probe itself
+    is tested in test_spec_policy.py); servers get them through --step-costs (tests/service.py)."""
+    from engine_pairs import cheap_draft_costs
+
+    from dspark_serve.engine import llm
+
+    monkeypatch.setattr(llm, "probe_costs", lambda *a, **k: cheap_draft_costs())
+
+
+@pytest.fixture(autouse=True)
 def _seeded_torch():
     """Every test starts from the same global RNG state: unseeded random inputs are the same on every run."""
     torch.manual_seed(0)

@@ -24,3 +24,20 @@ def metadata(context_lens: list[int], query_lens: list[int], block_size: int, bl
 
 def positions(context_lens: list[int], query_lens: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])
+
+
+_POOLS: "weakref.WeakKeyDictionary" = None  # side -> its BlockAllocator, for tests that drive a side directly
+
+
+def pool(side) -> "BlockAllocator":
+    """A block pool over a TargetSide's or DraftSide's cache (the engine's KVCacheManager owns them otherwise)."""
+    import weakref
+
+    from dspark_serve.engine.kv_cache import BlockAllocator
+
+    global _POOLS
+    if _POOLS is None:
+        _POOLS = weakref.WeakKeyDictionary()
+    if side not in _POOLS:
+        _POOLS[side] = BlockAllocator(side.num_blocks, side.block_size)
+    return _POOLS[side]

@@ -28,6 +28,11 @@ class ServerProcess:
                "--host", "127.0.0.1", "--num-cpus", "4", "--block-size", "8", "--num-kv-blocks", "1024", *extra]
         if draft is not None:
             cmd += ["--draft", str(draft)]
+        if not any(a == "--step-costs" for a in extra):  # pinned, as in-process engines' are (tests/conftest.py)
+            import json
+
+            from engine_pairs import cheap_draft_costs
+            cmd += ["--step-costs", json.dumps(cheap_draft_costs().to_dict())]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.log: list[str] = []

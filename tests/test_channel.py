@@ -127,7 +127,7 @@ def test_engine_with_a_remote_draft_equals_the_local_one(ahead, monkeypatch):
     from dspark_serve.actors.remote_draft import RemoteDraft
     from dspark_serve.engine.llm import LLM
     from dspark_serve.engine.sampling_params import SamplingParams
-    from dspark_serve.engine.step_pipeline import StepPipeline
+    from dspark_serve.engine.core.pipeline import ChainingDrafter, StepPipeline
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     port = free_port("127.0.0.1")
     proc = mp.get_context("spawn").Process(target=_draft_process, args=(port, False, 0.002, {}))
@@ -141,12 +141,13 @@ def test_engine_with_a_remote_draft_equals_the_local_one(ahead, monkeypatch):
     params = [SamplingParams(temperature=t, max_tokens=14, seed=i, ignore_eos=True) for i, t in enumerate((0, .8, 1))]
     try:
         remote = RemoteDraft(end, draft.config.num_speculative_tokens, draft.config.query_len, 64, 8)
-        assert isinstance(remote, Drafter) and not remote.can_chain
-        llm = LLM(target, None, {}, device="cpu", block_size=8, num_kv_blocks=64, draft_side=remote,
+        assert isinstance(remote, Drafter) and not isinstance(remote, ChainingDrafter)
+        spec = {"enable_adaptive_verification": False}  # every capped draft verified by both engines
+        llm = LLM(target, None, spec, device="cpu", block_size=8, num_kv_blocks=64, draft_side=remote,
                   capture_layers=draft.config.target_layer_ids)
-        local = LLM(target, draft, {}, device="cpu", block_size=8, num_kv_blocks=64)
+        local = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=64)
         for engine in (llm, local):
-            engine.scheduler.pipeline.draft_ahead = engine.scheduler.pipeline.step_ahead = ahead
+            engine.executor.pipeline.draft_ahead = engine.executor.pipeline.step_ahead = ahead
         got = llm.generate(prompts, params)
         remote_hits = sum(p is not None for p in taken)  # steps that took the remote draft asked for ahead
         want = local.generate(prompts, params)

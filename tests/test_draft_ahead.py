@@ -6,7 +6,7 @@ from engine_pairs import build_pair, random_prompts
 
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
-from dspark_serve.engine.step_pipeline import StepPipeline
+from dspark_serve.engine.core.pipeline import StepPipeline
 
 
 @pytest.mark.parametrize("spec", [{}, {"dspark_draft_topk": 8}])
@@ -19,14 +19,15 @@ def test_draft_ahead_changes_no_output(spec, static, monkeypatch):
     outs = {}
     used = []
     taken = StepPipeline.take_drafted
-    monkeypatch.setattr(StepPipeline, "take_drafted", lambda p, r: used.append(taken(p, r)) or used[-1])
+    monkeypatch.setattr(StepPipeline, "take_drafted", lambda p, r, *a: used.append(taken(p, r, *a)) or used[-1])
+    spec = {"enable_adaptive_verification": False, **spec}  # every capped draft verified (see test_step_ahead.py)
     for ahead in (False, True):
         llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
                   enforce_eager=not static)
-        llm.scheduler.pipeline.draft_ahead = ahead
+        llm.executor.pipeline.draft_ahead = ahead
         used.clear()
         outs[ahead] = llm.generate(prompts, params)  # 14 prompts through 4 slots: admissions between steps
-        assert llm.target.allocator.num_free == 256 and llm.draft.allocator.num_free == 256
+        assert llm.kv.target.num_free == 256 and llm.kv.draft.num_free == 256
     for a, b in zip(outs[False], outs[True]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.stats["accepted_per_step"] == b.stats["accepted_per_step"]

@@ -8,7 +8,7 @@ from engine_pairs import build_pair, random_prompts
 from dspark_serve.engine.drafter import Drafter
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
-from dspark_serve.engine.step_pipeline import StepPipeline
+from dspark_serve.engine.core.pipeline import StepPipeline
 
 
 def _params(count: int) -> list[SamplingParams]:
@@ -30,11 +30,12 @@ def taken(monkeypatch):
 
 
 def _llm(target, draft, spec, chain: bool) -> LLM:
+    spec = {"enable_adaptive_verification": False, **spec}  # every capped draft verified (see test_step_ahead.py)
     """Static shapes (run eagerly on CPU), drafting and launching ahead as on CUDA; chaining on or off."""
     llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
               enforce_eager=False)
     assert isinstance(llm.draft, Drafter) and llm.draft.can_chain
-    pipeline = llm.scheduler.pipeline
+    pipeline = llm.executor.pipeline
     pipeline.step_ahead = pipeline.draft_ahead = True
     pipeline.chain_ahead = chain
     return llm
@@ -49,7 +50,7 @@ def test_chained_draft_changes_no_output(spec, taken):
         llm = _llm(target, draft, spec, chain)
         taken.clear()
         outs[chain] = llm.generate(prompts, params)
-        assert llm.target.allocator.num_free == 256 and llm.draft.allocator.num_free == 256
+        assert llm.kv.target.num_free == 256 and llm.kv.draft.num_free == 256
     for a, b in zip(outs[False], outs[True]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
@@ -72,7 +73,7 @@ def test_abort_drops_the_chain(taken):
             out.update({o.request_id: o for o in llm.step() if o.finished})
         assert out[ids[1]].finish_reason == "abort"
         finals[chain] = [out[ids[0]].token_ids, out[ids[2]].token_ids]
-        assert llm.target.allocator.num_free == 256 and llm.draft.allocator.num_free == 256
+        assert llm.kv.target.num_free == 256 and llm.kv.draft.num_free == 256
     assert finals[False] == finals[True] and any(taken)
 
 
@@ -89,20 +90,20 @@ def test_chained_proposal_equals_a_fresh_draft(monkeypatch):
     take = StepPipeline.take_chained
     checked = []
 
-    def checking(pipeline, launched, rows, reqs):
-        saved = [(r.draft_context_len, list(r.pending_features)) for r in reqs]
-        out = take(pipeline, launched, rows, reqs)
+    def checking(pipeline, launched, rows, reqs, contexts, computed):
+        saved = [(c.length, list(c.pending)) for c in contexts]
+        out = take(pipeline, launched, rows, reqs, contexts, computed)
         if out is None:
             return None
         got = {k: v.clone() for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
-        done = [(r.draft_context_len, r.pending_features) for r in reqs]
-        for r, (c, feats) in zip(reqs, saved):
-            r.draft_context_len, r.pending_features = c, feats
+        done = [(c.length, c.pending) for c in contexts]
+        for c, (n, feats) in zip(contexts, saved):
+            c.length, c.pending = n, feats
         packed = launched.packed
         anchors = [int(packed[i, int(packed[i, 0]) + 1]) for i in range(len(reqs))]
-        fresh = llm.draft.propose(draft_input(reqs, anchors, [r.num_computed for r in reqs]))
-        for r, (c, feats) in zip(reqs, done):
-            r.draft_context_len, r.pending_features = c, feats
+        fresh = llm.draft.propose(draft_input(reqs, contexts, anchors, computed, computed))
+        for c, (n, feats) in zip(contexts, done):
+            c.length, c.pending = n, feats
         for k, v in got.items():
             assert torch.equal(v, getattr(fresh, k)), k
         checked.append(len(reqs))

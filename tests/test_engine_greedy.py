@@ -4,6 +4,7 @@ import pytest
 import torch
 from engine_pairs import build_pair
 
+from dspark_serve.engine.core.step_costs import StepCosts
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.reference import greedy_generate
 from dspark_serve.engine.sampling_params import SamplingParams
@@ -16,12 +17,16 @@ CONFIGS = {  # name: (build_pair kwargs, speculative_config)
     "reduced-vocab": (dict(draft_vocab=128), {}),
     "confidence-threshold": (dict(), {"dspark_confidence_threshold": 0.3}),
     "survival-threshold": (dict(), {"dspark_survival_threshold": 0.3}),
-    "confidence-budget": (dict(), {"dspark_budget_frac": 0.4}),
+    "adaptive-binding": (dict(), {}),  # step costs under which the adaptive budget binds (ENGINE below)
     "confidence-token-cap": (dict(), {"dspark_max_verify_tokens": 7}),
     "token-cap-no-confidence": (dict(confidence=False), {"dspark_max_verify_tokens": 7}),
     "agreeing-draft": (dict(agree=0.005, block_size=6), {}),
     "agreeing-confidence": (dict(agree=0.005, block_size=5), {"dspark_confidence_threshold": 0.2}),
 }
+
+
+# each verified token costs as much as a fixed step part: the policy verifies only the likeliest slots
+ENGINE = {"adaptive-binding": {"step_costs": StepCosts.linear(0.5, 0.5, 0.1, 0.01)}}
 
 
 def _prompts(seed: int, count: int, vocab: int = 256) -> list[list[int]]:
@@ -34,7 +39,8 @@ def _prompts(seed: int, count: int, vocab: int = 256) -> list[list[int]]:
 def test_greedy_speculative_equals_plain_greedy(name):
     kw, spec = CONFIGS[name]
     target, draft = build_pair(seed=len(name), **kw)
-    llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=512, max_num_seqs=9)
+    llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=512, max_num_seqs=9,
+              **ENGINE.get(name, {}))
     prompts = _prompts(len(name), 24)
     params = SamplingParams(temperature=0.0, max_tokens=14)
     outs = llm.generate(prompts, params)
@@ -45,9 +51,9 @@ def test_greedy_speculative_equals_plain_greedy(name):
     if name.startswith("agreeing"):
         assert sum(taus) / len(taus) > 2.0, taus
         assert any(0 < a < llm.max_speculative_tokens for o in outs for a in o.stats["accepted_per_step"])
-    if "confidence" in name or "survival" in name or "cap" in name:  # the rule / token cap really cut verification
+    if "confidence" in name or "survival" in name or "cap" in name or "binding" in name:  # the rule / token cap really cut verification
         assert sum(o.stats["drafted"] for o in outs) < sum(o.stats["steps"] - 1 for o in outs) * llm.max_speculative_tokens
-    assert llm.target.allocator.num_free == 512 and llm.draft.allocator.num_free == 512
+    assert llm.kv.target.num_free == 512 and llm.kv.draft.num_free == 512
 
 
 def test_alone_equals_batched():

@@ -8,6 +8,7 @@ import torch
 from engine_pairs import build_pair
 from penalized import next_logits, penalized
 
+from dspark_serve.engine.core.step_costs import StepCosts
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling import processed_probs
 from dspark_serve.engine.sampling_params import SamplingParams
@@ -55,7 +56,11 @@ CASES = {
     "survival-trimming": (dict(), {"dspark_survival_threshold": 0.4}, SamplingParams(temperature=1.0, max_tokens=3)),
     "greedy-drafts": (dict(), {"draft_sample_method": "greedy"}, SamplingParams(temperature=1.0, max_tokens=3)),
     "token-cap": (dict(), {"dspark_max_verify_tokens": 300}, SamplingParams(temperature=1.0, max_tokens=3)),
+    "adaptive-binding": (dict(), {"enable_adaptive_verification": True}, SamplingParams(temperature=1.0, max_tokens=3)),
 }
+# every capped draft is verified (the policy off) but in the adaptive case, whose step costs make the budget cut
+# some slots of each 512-request step: the slots verified then depend on the other requests' survivals
+ENGINE = {"adaptive-binding": {"step_costs": StepCosts.linear(2.0, 0.004, 0.1, 0.0)}}
 
 
 AGREE = dict(agree=0.05)  # token 2 is an accepted draft in about half the samples: token 3 sees it as a draft
@@ -73,10 +78,11 @@ def test_speculative_sampling_matches_target_distribution(name):
     """The penalty cases: the penalized target's distribution, token 3 penalized for token 2 as a draft."""
     kw, spec, params = {**CASES, **PENALTY_CASES}[name]
     target, draft = build_pair(seed=11, vocab=VOCAB, block_size=3, markov_rank=4, **kw)
-    llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=4096, max_num_seqs=512)
+    llm = LLM(target, draft, {"enable_adaptive_verification": False, **spec}, device="cpu", block_size=8,
+              num_kv_blocks=4096, max_num_seqs=512, **ENGINE.get(name, {}))
     outs = llm.generate([PROMPT] * SAMPLES, [SamplingParams(**{**params.__dict__, "seed": s}) for s in range(SAMPLES)])
     drafted = sum(o.stats["drafted"] for o in outs)  # tokens 2 and 3 went through verification
-    if "trimming" in name or "cap" in name:
+    if "trimming" in name or "cap" in name or "binding" in name:
         assert 100 < drafted < SAMPLES * 0.9, drafted  # trimmed for some requests, not for all
     else:
         assert drafted == SAMPLES, drafted
@@ -109,7 +115,8 @@ def test_same_seed_same_output_alone_or_batched(spec):
               SamplingParams(temperature=0.8, top_k=20, max_tokens=15, seed=7),
               SamplingParams(temperature=1.2, top_p=0.9, max_tokens=10, seed=99),
               SamplingParams(temperature=1.0, max_tokens=3, seed=5)]
-    llm = LLM(target, draft, spec, device="cpu", max_num_seqs=4)  # the last two wait for a free slot
+    # the policy off: with it on, how many drafts a step verifies depends on the batch
+    llm = LLM(target, draft, {"enable_adaptive_verification": False, **spec}, device="cpu", max_num_seqs=4)
     mixed = llm.generate(prompts, params)
     for i in (0, 3, 4, 5):
         alone = llm.generate([prompts[i]], params[i])[0]

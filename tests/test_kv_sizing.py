@@ -37,5 +37,5 @@ def test_a_cpu_engine_keeps_its_block_count():
 
     target, draft = build_pair(seed=1, agree=0.01, block_size=4)
     llm = LLM(target, draft, device="cpu", block_size=8, gpu_memory_utilization=0.5)
-    assert llm.target.allocator.num_blocks == 2048
-    assert LLM(target, draft, device="cpu", block_size=8, num_kv_blocks=64).target.allocator.num_blocks == 64
+    assert llm.kv.target.num_blocks == 2048
+    assert LLM(target, draft, device="cpu", block_size=8, num_kv_blocks=64).kv.target.num_blocks == 64

@@ -46,7 +46,7 @@ def _check(target, prompt: list[int], out, params: SamplingParams) -> None:
 @pytest.mark.parametrize("ahead", [False, True], ids=["", "step-ahead"])
 def test_logprobs_are_the_processed_targets(pair, static, ahead):
     llm = LLM(*pair, device="cpu", block_size=8, num_kv_blocks=256, enforce_eager=not static)
-    llm.scheduler.pipeline.step_ahead = llm.scheduler.pipeline.draft_ahead = ahead
+    llm.executor.pipeline.step_ahead = llm.executor.pipeline.draft_ahead = ahead
     outs = llm.generate(PROMPTS, PARAMS)
     for prompt, out, params in zip(PROMPTS, outs, PARAMS):
         if params.logprobs is None:
@@ -62,7 +62,7 @@ def _records(llm, prompt: list[int], params: SamplingParams) -> list:
     llm.add_request(prompt, params)
     records = []
     while llm.has_unfinished():
-        records += llm.scheduler.step()
+        records += llm.core.step()
     return records
 
 

@@ -74,7 +74,7 @@ def test_greedy_speculative_with_penalties_equals_plain_greedy(pair, references,
     """Each prompt with each penalty, batched with requests that have none (which keep their own output), and
     alone; the drafts were accepted, so verified positions saw the drafts before them."""
     llm = LLM(*pair, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=6, enforce_eager=not static)
-    llm.scheduler.pipeline.step_ahead = llm.scheduler.pipeline.draft_ahead = ahead
+    llm.executor.pipeline.step_ahead = llm.executor.pipeline.draft_ahead = ahead
     plain = SamplingParams(temperature=0.0, max_tokens=14)
     cases = [(i, k) for i in range(len(PROMPTS)) for k in range(len(PENALTIES))]
     prompts = [PROMPTS[i] for i, _ in cases] + PROMPTS

@@ -8,6 +8,7 @@ import sys
 import warnings
 
 import pytest
+from paging import pool
 import torch
 
 from dspark_serve.engine.llm import LLM
@@ -52,7 +53,7 @@ def _requests(side: TargetSide, prompts: list[list[int]]) -> list[Request]:
     reqs = []
     for i, p in enumerate(prompts):
         r = Request(str(i), p, SamplingParams(max_tokens=8), seed=0, num_speculative_tokens=3)
-        r.target_blocks = side.allocator.allocate(len(p) + 8)
+        r.target_blocks = pool(side).allocate(len(p) + 8)
         reqs.append(r)
     return reqs
 
@@ -78,7 +79,7 @@ def test_static_verify_logits_and_features_match_dynamic():
         assert torch.allclose(la[r, :n], lb[r, :n], atol=1e-5, rtol=1e-5)
         assert torch.allclose(fa[r], fb[r], atol=1e-5, rtol=1e-5) and fb[r].shape[0] == n
     # the verify wrote K/V for real tokens only: both caches agree on every live block, the trash block aside
-    live = sides[0].allocator.num_blocks
+    live = sides[0].num_blocks
     assert torch.allclose(sides[0].cache[:, :, :live], sides[1].cache[:, :, :live], atol=1e-6)
 
 
@@ -97,7 +98,7 @@ def test_prompt_graphs_match_dynamic_prefill(lens):
     for a, b, n in zip(fa, fb, lens):
         assert b.shape == (n, a.shape[1])
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
-    live = sides[0].allocator.num_blocks  # the prompts' K/V, the padding's in the trash block only
+    live = sides[0].num_blocks  # the prompts' K/V, the padding's in the trash block only
     torch.testing.assert_close(sides[1].cache[:, :, :live], sides[0].cache[:, :, :live], atol=1e-5, rtol=1e-5)
     built = set(sides[1].prompts._runners)
     assert built == ({32, 48} if len(lens) <= 4 else set())  # five fresh prompts run eagerly as one batch
@@ -173,7 +174,7 @@ def test_capture_runs_on_padding_and_restores_the_step(monkeypatch, fails):
             for r in reqs:
                 r.num_computed = len(r.prompt_ids)
             verify = side.run(reqs, [[7, 8, 9, 1], [4, 5]], last_only=False)
-            tables = [dside.allocator.allocate(n + 16) for n in (9, 20)]
+            tables = [pool(dside).allocate(n + 16) for n in (9, 20)]
             feats = torch.cat(prefill[1])
             inp = DraftInput(anchors=torch.tensor([3, 9]), anchor_pos=torch.tensor([9, 20]),
                              ctx_start=torch.zeros(2, dtype=torch.int64), ctx_len=torch.tensor([9, 20]),
@@ -228,7 +229,7 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
         prefill = ts.run(reqs, [prompt], last_only=True)
         reqs[0].num_computed = len(prompt)
         verify = ts.run(reqs, [[7, 8, 9, 1]], last_only=False)
-        table = ds.allocator.allocate(40 + 16)
+        table = pool(ds).allocate(40 + 16)
         inp = DraftInput(anchors=torch.tensor([3]), anchor_pos=torch.tensor([40]),
                          ctx_start=torch.zeros(1, dtype=torch.int64), ctx_len=torch.tensor([40]),
                          features=prefill[1][0], block_table=torch.tensor([table]),
@@ -257,14 +258,14 @@ def test_static_draft_proposal_matches_dynamic(topk):
     for temps in ([0.0, 0.0, 0.0], [0.0, 0.7, 1.0]):  # the greedy-only graph and the sampling graph
         props = []
         for side in sides:
-            tables = [side.allocator.allocate(n + 16) for n in ctx]
+            tables = [pool(side).allocate(n + 16) for n in ctx]
             inp = DraftInput(anchors=torch.tensor([3, 9, 27]), anchor_pos=torch.tensor(ctx),
                              ctx_start=torch.zeros(3, dtype=torch.int64), ctx_len=torch.tensor(ctx), features=feats,
                              block_table=torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables]),
                              temperature=torch.tensor(temps), seeds=torch.tensor([1, 2, 3]))
             props.append(side.propose(inp))
             for t in tables:
-                side.allocator.free(t)
+                pool(side).free(t)
         a, b = props
         assert torch.equal(a.tokens, b.tokens) and a.tokens.shape == (3, 5)
         assert torch.allclose(a.confidence_logits, b.confidence_logits, atol=1e-5)

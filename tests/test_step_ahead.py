@@ -7,7 +7,7 @@ from engine_pairs import build_pair, random_prompts
 
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
-from dspark_serve.engine.step_pipeline import StepPipeline
+from dspark_serve.engine.core.pipeline import StepPipeline
 
 
 def _params(count: int) -> list[SamplingParams]:
@@ -30,11 +30,14 @@ def taken(monkeypatch):
 
 
 def _llm(target, draft, spec, static, ahead):
+    # every capped draft verified: sampled outputs are compared, and the policy's budget may differ between a step
+    # launched ahead (sized a step earlier) and one launched late (the policy: test_spec_policy.py)
+    spec = {"enable_adaptive_verification": False, **spec} if draft is not None else spec
     llm = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
               enforce_eager=not static)
-    llm.scheduler.pipeline.step_ahead = ahead
+    llm.executor.pipeline.step_ahead = ahead
     if llm.draft is not None:
-        llm.scheduler.pipeline.draft_ahead = ahead
+        llm.executor.pipeline.draft_ahead = ahead
     return llm
 
 
@@ -45,8 +48,8 @@ def _generate_both(target, draft, spec, static, prompts, params, taken) -> dict:
         llm = _llm(target, draft, spec, static, ahead)
         taken.clear()
         outs[ahead] = llm.generate(prompts, params)
-        assert llm.target.allocator.num_free == 256
-        assert llm.draft is None or llm.draft.allocator.num_free == 256
+        assert llm.kv.target.num_free == 256
+        assert llm.draft is None or llm.kv.draft.num_free == 256
     return outs
 
 
@@ -92,16 +95,17 @@ def test_abort_between_steps(taken):
             out.update({o.request_id: o for o in llm.step() if o.finished})
         assert out.pop(ids[1]).finish_reason == "abort"
         finals[ahead] = [out[ids[0]], out[ids[2]]]
-        assert llm.target.allocator.num_free == 256 and llm.draft.allocator.num_free == 256
+        assert llm.kv.target.num_free == 256 and llm.kv.draft.num_free == 256
     for a, b in zip(finals[False], finals[True]):
         _same(a, b)
     assert any(k == n < launched for k, n, launched in taken)  # the aborted request's row was dropped
 
 
 def test_not_ahead_when_n_reads_confidences(taken):
-    """With the confidence budget, n depends on this step's confidences: nothing is launched ahead."""
+    """With the confidence threshold, n depends on this step's confidences: nothing is launched ahead."""
     target, draft = build_pair(seed=11, agree=0.005, block_size=5)
-    outs = _generate_both(target, draft, {"dspark_budget_frac": 0.5}, True, random_prompts(3, 6), _params(6), taken)
+    outs = _generate_both(target, draft, {"dspark_confidence_threshold": 0.5}, True, random_prompts(3, 6), _params(6),
+                          taken)
     for a, b in zip(outs[False], outs[True]):
         _same(a, b)
     assert taken and all(t[0] == 0 for t in taken)
@@ -114,13 +118,10 @@ class _DraftBehindAChannel:
     def __init__(self, side) -> None:
         self.side = side
         self.num_speculative_tokens, self.query_len = side.num_speculative_tokens, side.query_len
-        self.allocator, self.device, self.can_chain = side.allocator, side.device, False
+        self.num_blocks, self.device, self.has_confidence = side.num_blocks, side.device, side.has_confidence
 
     def propose(self, inp):
         return self.side.propose(inp)
-
-    def propose_chained(self, *args):
-        return None
 
 
 def test_a_draft_that_cannot_draft_ahead(taken):
@@ -133,8 +134,8 @@ def test_a_draft_that_cannot_draft_ahead(taken):
         remote = LLM(target, None, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4,
                      enforce_eager=False, draft_side=_DraftBehindAChannel(local.draft),
                      capture_layers=draft.config.target_layer_ids)
-        assert not remote.scheduler.pipeline.draft_ahead  # on a CPU device
-        remote.scheduler.pipeline.step_ahead = ahead
+        assert not remote.executor.pipeline.draft_ahead  # on a CPU device
+        remote.executor.pipeline.step_ahead = ahead
         taken.clear()
         ids = [remote.add_request(p, sp, num_speculative_tokens=0 if i % 2 else None)
                for i, (p, sp) in enumerate(zip(prompts, params))]
@@ -142,7 +143,7 @@ def test_a_draft_that_cannot_draft_ahead(taken):
         while remote.has_unfinished():
             finals.update({o.request_id: o for o in remote.step() if o.finished})
         outs[ahead] = [finals[i] for i in ids]
-        assert remote.target.allocator.num_free == 256 and local.draft.allocator.num_free == 256
+        assert remote.kv.target.num_free == 256 and local.kv.draft.num_free == 256
     for a, b in zip(outs[False], outs[True]):
         _same(a, b)
     assert any(k > 0 for k, _, _ in taken)  # batches of plain-only requests were launched ahead

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from paging import pool
 import torch
 
 from dspark_serve.engine.draft_side import DraftSide
@@ -66,7 +67,7 @@ def test_load_token_map_refuses_missing_and_unreadable_files(tmp_path):
 def _propose(side: DraftSide, ctx: int = 30, temperature: float = 0.0):
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(ctx, side.model.config.context_dim, generator=g, dtype=torch.float32)
-    table = side.allocator.allocate(ctx + 16)
+    table = pool(side).allocate(ctx + 16)
     return side.propose(DraftInput(anchors=torch.tensor([17]), anchor_pos=torch.tensor([ctx]),
                                    ctx_start=torch.zeros(1, dtype=torch.int64), ctx_len=torch.tensor([ctx]),
                                    features=feats, block_table=torch.tensor([table]),

@@ -45,3 +45,17 @@ def capture(forward: Callable[[], object], pool: object = None) -> tuple[Callabl
         return out
     replay.forward = forward  # keeps alive what the graph reads and forward's closure owns (the metadata tensors)
     return replay, graph.pool()
+
+
+def device_ms(fn: Callable[[], object], reps: int) -> float:
+    """Milliseconds of device time of fn() (a graph replay), the best of `reps` after one warm-up run."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best

@@ -6,7 +6,7 @@ K/V goes to the draft cache's trash slot, their proposals are dropped). The cont
 into a static feature buffer and padded with rows bound for the trash slot; a larger one (the first step after
 a prefill) is written eagerly before the graph. Greedy-only and sampling steps are separate graphs (a sampling
 step also returns q). `propose_chained` stages a step whose anchors and positions the previous verify's accept
-sets on the device (engine/draft_chain.py). On CPU the static path runs eagerly.
+sets on the device (engine/core/pipeline.py). On CPU the static path runs eagerly.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dspark_serve.models.dspark import DSparkDraft
 from ..drafter import DraftProposal
 from ..kv_cache import slots_of
 from .buckets import WARM_CONTEXT, GraphBuckets, bucket
-from .capture import capture_on_padding
+from .capture import capture_on_padding, device_ms
 from .draft_runner import DraftRunner
 from .staging import Layout, Staging
 
@@ -134,6 +134,17 @@ class DraftGraphs:
         for key in keys:
             self._runners[key] = self._build(*key)
         return len(keys)
+
+    def replay_costs(self, max_batch: int, reps: int = 3) -> list[tuple[int, float]]:
+        """Device milliseconds of each recorded greedy graph at the smallest context, on padding: [(batch, ms)]."""
+        top = bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
+        c = self.buckets.context[0]
+        out = []
+        for (b, cc, need_q), run in sorted(self._runners.items()):
+            if cc == c and not need_q and b <= top:
+                self.ints.upload(self._layout([], [], [], [], b, c))
+                out.append((b, device_ms(run, reps)))
+        return out
 
     def _run(self, b: int, c: int, need_q: bool, r: int) -> DraftProposal:
         """The bucket's graph (built on first use) on the staged inputs -> the proposal of its first r rows."""

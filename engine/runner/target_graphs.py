@@ -20,7 +20,7 @@ from dspark_serve.kernels.attention import AttentionMetadata
 from ..kv_cache import slots_of
 from ..rejection import verify_greedy
 from .buckets import MAX_GRAPH_TOKENS, WARM_CONTEXT, GraphBuckets, bucket
-from .capture import capture_on_padding
+from .capture import capture_on_padding, device_ms
 from .staging import Layout, Staging
 from .target_runner import TargetRunner
 
@@ -95,6 +95,18 @@ class TargetGraphs:
         for shape in shapes:
             self._runners[shape] = self._build(*shape)
         return len(shapes)
+
+    def replay_costs(self, max_batch: int, reps: int = 3) -> dict[int, list[tuple[int, float]]]:
+        """Device milliseconds of each recorded graph at the smallest context, on padding, by batch bucket:
+        {batch: [(tokens, ms), ...]}."""
+        top = bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
+        c = self.buckets.context[0]
+        out: dict[int, list[tuple[int, float]]] = {}
+        for (q, b, cc), run in sorted(self._runners.items()):
+            if cc == c and b <= top:
+                self.staging.upload(self._layout([], [], [], q, b, c))
+                out.setdefault(b, []).append((b * q, device_ms(run, reps)))
+        return out
 
     def _layout(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]], q: int, b: int,
                 c: int) -> list[int]:

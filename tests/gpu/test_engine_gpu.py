@@ -45,7 +45,7 @@ def test_seeded_sampling_matches_cpu():
 def test_chained_draft_on_cuda_changes_no_output(monkeypatch):
     """The draft chained behind the verify launched ahead (the CUDA default): the same tokens and acceptance as
     without it, greedy and seeded sampling, in CUDA graphs; and it is really taken."""
-    from dspark_serve.engine.step_pipeline import StepPipeline
+    from dspark_serve.engine.core.pipeline import StepPipeline
     taken = []
     take = StepPipeline.take_chained
     monkeypatch.setattr(StepPipeline, "take_chained", lambda *a: taken.append(take(*a)) or taken[-1])
@@ -58,8 +58,8 @@ def test_chained_draft_on_cuda_changes_no_output(monkeypatch):
     outs = {}
     for chain in (False, True):
         llm = LLM(target, draft, device="cuda", block_size=8, num_kv_blocks=512, max_num_seqs=2)
-        assert llm.scheduler.pipeline.chain_ahead and llm.draft.can_chain
-        llm.scheduler.pipeline.chain_ahead = chain
+        assert llm.executor.pipeline.chain_ahead and llm.draft.can_chain
+        llm.executor.pipeline.chain_ahead = chain
         taken.clear()
         outs[chain] = llm.generate(prompts, params)
     for a, b in zip(outs[False], outs[True]):

@@ -1,0 +1,161 @@
+"""The executor: runs a SchedulerOutput on the models and returns a StepResult. Prompt chunks go through the
+target (their features join the draft's pending context); decode rows are drafted, trimmed to the plan's budget,
+verified and accepted, with the next step launched ahead where the device allows (engine/core/pipeline.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from ..drafter import DraftContext, Drafter, DraftUnavailable, draft_input
+from ..logits_processing import process_logits, step_logprobs
+from ..rejection import verify_mixed
+from ..request import Request
+from ..spec_config import SpeculativeConfig
+from ..target_side import TargetSide
+from .pipeline import Launched, StepPipeline
+from .plan import DecodePlan, PrefillChunk, RowResult, SchedulerOutput, StepResult
+from .policy import cap_drafts
+from .verify import Rows, finish, launch, sampling_tensors, verify_hints
+
+
+class Executor:
+    def __init__(self, target: TargetSide, draft: Drafter | None, spec: SpeculativeConfig) -> None:
+        self.target, self.draft, self.spec = target, draft, spec
+        self.pipeline = StepPipeline(target.device, draft)  # what each step launches ahead for the next
+        self.contexts: dict[Request, DraftContext] = {}  # the draft's context of each running request
+        self._lost = False  # the draft stopped answering during the step
+
+    def set_draft(self, draft: Drafter | None) -> None:
+        """Swap the draft (None: plain decoding); nothing of the old one's context is kept."""
+        self.draft = draft
+        self.pipeline.use_draft(draft)
+        self.contexts.clear()
+
+    def _lose_draft(self) -> None:
+        self._lost = True
+        self.set_draft(None)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        for req in plan.released:
+            self.contexts.pop(req, None)
+        first = self._prefill(plan.prefill) if plan.prefill else {}
+        if plan.decode is None:
+            return StepResult([], first)
+        self._lost = False
+        try:
+            rows, drafted, times = self._decode(plan.decode)
+        except DraftUnavailable:  # the step again, plainly: greedy tokens are the same
+            self._lose_draft()
+            d = plan.decode
+            rows, drafted, times = self._decode(replace(d, caps=[0] * len(d.reqs), budget=0))
+        return StepResult(rows, first, self._lost, drafted, *times)
+
+    def _context(self, req: Request) -> DraftContext:
+        ctx = self.contexts.get(req)
+        if ctx is None:
+            ctx = self.contexts[req] = DraftContext()
+        return ctx
+
+    def _prefill(self, chunks: list[PrefillChunk]) -> dict[Request, tuple[int, list[tuple] | None]]:
+        """Every chunk through the target at once; the chunks that end a fresh prompt sample its first token."""
+        reqs = [c.req for c in chunks]
+        logits, feats = self.target.run(reqs, [c.tokens for c in chunks], last_only=True,
+                                        starts=[c.start for c in chunks])
+        if self.draft is not None:
+            for c, f in zip(chunks, feats):
+                ctx = self._context(c.req)
+                if c.start == 0:
+                    ctx.reset()
+                if f is not None:
+                    ctx.pending.append(f)
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        if not rows:
+            return {}
+        sub = [reqs[i] for i in rows]
+        logits = process_logits(sub, logits[rows] if len(rows) < len(reqs) else logits, None)
+        dev = self.target.device
+        p = sampling_tensors(sub, dev)
+        positions = torch.tensor([[len(r.prompt_ids)] for r in sub], device=dev)
+        none = torch.zeros(len(sub), 0, dtype=torch.int64, device=dev)
+        tokens = verify_mixed(none, torch.zeros(len(sub), dtype=torch.int64, device=dev), logits, None,
+                              p["is_greedy"], p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
+                              positions, **verify_hints(sub)).output_tokens  # [R', 1]
+        lp = step_logprobs(sub, logits, tokens)
+        lp_values = lp.values.tolist() if lp is not None else None
+        return {r: (tok, lp.of_row(lp_values, i, [tok]) if lp is not None else None)
+                for i, (r, tok) in enumerate(zip(sub, tokens[:, 0].tolist()))}
+
+    def _decode(self, plan: DecodePlan) -> tuple[list[RowResult], bool, tuple[float, float, float]]:
+        """One verify step for the plan's rows. Rows the previous step launched ahead are finished as they are;
+        the others are launched now, with the budget the view gives them. Then the next step is launched ahead."""
+        reqs = plan.reqs
+        index = {r: i for i, r in enumerate(reqs)}
+        context_of = self._context if self.draft is not None else None
+        ahead, taken = self.pipeline.take_launched(reqs)
+        rest = [r for r in reqs if r not in taken]
+        fresh = None
+        if rest:
+            caps = [plan.caps[index[r]] for r in rest]
+            pinned = [plan.pinned[index[r]] for r in rest]
+            budget = plan.budget if not taken else plan.view.budget(rest, caps, pinned)
+            rows = Rows(rest, caps, pinned, budget, plan.view, self.spec)
+            fresh = launch(self.target, self.draft, rows, self.pipeline, [self._context(r) for r in rest])
+        done: dict[Request, RowResult] = {}
+        if ahead is not None:
+            done.update(finish(ahead, sorted(taken.values()), context_of))
+        if fresh is not None:
+            done.update(finish(fresh, range(len(rest)), context_of))
+        results = [done[r] for r in reqs]
+        launches = [x for x in (ahead, fresh) if x is not None]
+        t = time.perf_counter()
+        times = (sum(x.draft_ms for x in launches), max((t - x.launched_at) * 1e3 for x in launches),
+                 sum(x.proposal.transfer_ms for x in launches if x.proposal is not None))
+        try:
+            self._next(plan, ahead, taken, [r.tokens for r in results])
+        except DraftUnavailable:
+            self._lose_draft()
+        return results, any(x.proposal is not None for x in launches), times
+
+    def _next(self, plan: DecodePlan, ahead: Launched | None, taken: dict[Request, int],
+              new_tokens: list[list[int]]) -> None:
+        """The next step's draft and verify, launched before the host commits this one, for the same rows."""
+        reqs, draft, pipeline = plan.reqs, self.draft, self.pipeline
+        n = draft.num_speculative_tokens if draft is not None else 0
+        remaining = [r.remaining - len(t) for r, t in zip(reqs, new_tokens)]
+        caps = [cap_drafts(r.num_speculative_tokens, n, left) for r, left in zip(reqs, remaining)]
+        rows = Rows(reqs, caps, plan.pinned, plan.view.budget(reqs, caps, plan.pinned), plan.view, self.spec)
+        pos = [r.anchor_pos + len(t) for r, t in zip(reqs, new_tokens)]  # the next anchors' positions
+        computed = [r.num_computed + len(t) for r, t in zip(reqs, new_tokens)]  # once this step is committed
+        anchors = [t[-1] for t in new_tokens]
+        contexts = [self._context(r) for r in reqs] if draft is not None else []
+        if draft is not None and pipeline.draft_ahead:
+            chained = pipeline.take_chained(ahead, taken, reqs, contexts, computed)
+            if chained is not None:  # queued on the device behind the verify just read
+                pipeline.keep_drafted(reqs, pos, computed, chained)
+            elif rows.drafts_wanted and all(self._fits(p + draft.query_len, r.draft_blocks)
+                                            for r, p in zip(reqs, pos)):
+                pipeline.keep_drafted(reqs, pos, computed,
+                                      draft.propose(draft_input(reqs, contexts, anchors, pos, computed)))
+        pipeline.launched = None
+        if not pipeline.step_ahead or max(remaining) <= 0 or (rows.drafts_wanted and rows.needs_confidences()):
+            return
+        if not all(self._fits(c + 1 + k, r.target_blocks) for r, c, k in zip(reqs, computed, caps)):
+            return
+        proposal = None
+        if rows.drafts_wanted:
+            proposal = pipeline.take_drafted(reqs, pos, computed)
+            if proposal is None:
+                return
+        launched = launch(self.target, draft, rows, pipeline, contexts, proposal, anchors, pos, computed, new_tokens)
+        pipeline.launched = replace(launched, key=[(p, c, a) for p, c, a in zip(pos, computed, anchors)])
+        if proposal is not None:
+            pipeline.chain(draft, contexts, pos)
+
+    def _fits(self, slots: int, blocks: list[int]) -> bool:
+        """Whether `blocks` (the scheduler's reservation) hold cache slots [0, slots): both caches share the block
+        size."""
+        return -(-slots // self.target.block_size) <= len(blocks)

@@ -1,0 +1,242 @@
+"""The scheduler: plans each step (which requests decode and how many drafts they may verify, which prompt chunks
+prefill) within a token budget, owns the KV blocks through the KVCacheManager, and commits each step's result.
+It never touches a model: its tests run without one."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..request import FinishReason, Request, StepOutput
+from .kv_manager import KVCacheManager
+from .plan import DecodePlan, PrefillChunk, SchedulerOutput, StepResult
+from .policy import PolicyView, SpecPolicy, cap_drafts
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests running at once (decoding or prefilling)
+    max_num_batched_tokens: int = 8192  # tokens one step processes: decode rows, verified drafts, prompt chunks
+    eos_token_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens must be an int >= max_num_seqs ({self.max_num_seqs}), got "
+                             f"{self.max_num_batched_tokens!r}")
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What the scheduler needs of the draft: its block, the cache slots a step's block takes, its cache size."""
+
+    num_speculative_tokens: int
+    query_len: int
+    num_blocks: int
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, draft: DraftShape | None,
+                 policy: SpecPolicy | None = None) -> None:
+        cfg.validate()
+        self.cfg, self.kv, self.draft, self.policy = cfg, kv, draft, policy
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admitted: prefilling or decoding, oldest first
+        self.num_preemptions = 0
+        self._released: list[Request] = []
+
+    @property
+    def reserve(self) -> int:
+        """Cache slots past a request's tokens kept for it: this step's verify and the next one, which the executor
+        may launch before this one is committed, and the draft block chained behind that."""
+        return reserve_slots(self.draft)
+
+    def fits_alone(self, req: Request) -> bool:
+        need = len(req.prompt_ids) + req.params.max_tokens + self.reserve
+        return self.kv.fits_alone(need, need)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def set_draft(self, draft: DraftShape | None, policy: SpecPolicy | None) -> None:
+        """A new draft (None: plain decoding): requests already here decode plainly (it has none of their context)."""
+        for r in list(self.waiting) + self.running:
+            self.kv.drop_draft(r)
+            r.num_speculative_tokens = 0
+        self.draft, self.policy = draft, policy
+        self.kv.set_draft(draft.num_blocks if draft is not None else None)
+
+    def abort(self, request_id: str) -> Request | None:
+        """End a queued or running request now (its blocks are free at once); the request, or None."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.finish_reason = FinishReason.ABORT
+                self._released.append(req)
+                return req
+        for req in self.running:
+            if req.request_id == request_id:
+                self.running.remove(req)
+                self._finish(req, FinishReason.ABORT)
+                return req
+        return None
+
+    # -- planning -----------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        preempted = self.num_preemptions
+        decode = self._plan_decode(budget)
+        if decode is not None:
+            budget -= len(decode.reqs) + decode.budget
+        prefill = self._plan_prefill(budget, admit=self.num_preemptions == preempted)
+        released, self._released = self._released, []
+        return SchedulerOutput(decode, prefill, released)
+
+    def _plan_decode(self, budget: int) -> DecodePlan | None:
+        for req in list(self.running):  # every decoding request gets its next steps' cache slots
+            if req in self.running and _decoding(req):
+                while req in self.running and not self.kv.grow(req, *self._need(req)):
+                    self._preempt(self.running[-1])
+        reqs = [r for r in self.running if _decoding(r)]
+        if not reqs:
+            return None
+        n = self.draft.num_speculative_tokens if self.draft is not None else 0
+        caps = [cap_drafts(r.num_speculative_tokens, n, r.remaining) for r in reqs]
+        pinned = [r.spec_pinned for r in reqs]
+        view = self.policy.view(reqs, budget) if self.policy is not None and n else _no_policy(n, budget)
+        return DecodePlan(reqs, caps, pinned, view.budget(reqs, caps, pinned), view)
+
+    def _plan_prefill(self, budget: int, admit: bool) -> list[PrefillChunk]:
+        """Chunks of the prompts already started, then new requests while the budget, max_num_seqs and the blocks
+        allow (none in a step that had to preempt: they would take back the blocks just freed)."""
+        chunks = []
+        for req in self.running:  # prompts already started go on first
+            if budget <= 0:
+                break
+            if not _decoding(req):
+                chunks.append(self._chunk(req, budget))
+                budget -= len(chunks[-1].tokens)
+        while admit and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if not self.kv.grow(req, *self._need(req)):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            if not req.output_ids:
+                req.stats.queue_ms = 1e3 * (time.monotonic() - req.stats.arrival)
+            chunks.append(self._chunk(req, budget))
+            budget -= len(chunks[-1].tokens)
+        return chunks
+
+    def _chunk(self, req: Request, budget: int) -> PrefillChunk:
+        """The next prompt chunk: after a preemption everything committed but the last token is recomputed."""
+        end = len(req.prompt_ids) if not req.output_ids else req.num_tokens - 1
+        start = req.num_computed
+        stop = min(end, start + budget)
+        ids = req.prompt_ids[start:stop] if stop <= len(req.prompt_ids) else \
+            (req.prompt_ids + req.output_ids)[start:stop]
+        return PrefillChunk(req, start, ids, samples=not req.output_ids and stop == end)
+
+    def _need(self, req: Request) -> tuple[int, int]:
+        need = req.num_tokens + self.reserve
+        return need, need
+
+    def _preempt(self, victim: Request) -> None:
+        """Free the newest request's blocks; it waits at the head of the queue to be recomputed (its tokens stay)."""
+        self.num_preemptions += 1
+        self.kv.free(victim)
+        self.running.remove(victim)
+        victim.num_computed = 0
+        self.waiting.appendleft(victim)
+        self._released.append(victim)
+
+    # -- committing ---------------------------------------------------------------------------------------------
+
+    def update(self, plan: SchedulerOutput, result: StepResult) -> list[StepOutput]:
+        """Commit a step: advance each request's cache, append its tokens up to the first stop, free the finished;
+        -> every request's new tokens (and, once, its finish reason and stats)."""
+        outputs = []
+        now = time.monotonic()
+        for chunk in plan.prefill:
+            req = chunk.req
+            req.num_computed = chunk.start + len(chunk.tokens)
+            if chunk.samples:
+                token, logprobs = result.first_tokens[req]
+                req.stats.first_token_ms = 1e3 * (now - req.stats.arrival)
+                outputs.append(self._emit(req, [token], logprobs))
+        if plan.decode is not None:
+            if self.policy is not None:
+                self.policy.stepped(result.drafted)
+            for req, row in zip(plan.decode.reqs, result.decoded):
+                req.num_computed += row.accepted + 1
+                _record(req, row.accepted, row.verified, result, self.draft)
+                if self.policy is not None:
+                    self.policy.observe(req, row.verified, row.accepted, row.confidences)
+                outputs.append(self._emit(req, row.tokens, row.logprobs))
+        self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _emit(self, req: Request, tokens: list[int], logprobs: list[tuple] | None = None) -> StepOutput:
+        """Append tokens up to the first stop; a stop inside an accepted run truncates it (and its logprobs).
+        (Stop strings are the output processor's: it aborts the request when one appears.)"""
+        p, n = req.params, 0
+        for tok in tokens:
+            req.output_ids.append(tok)
+            n += 1
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                self._finish(req, FinishReason.STOP)
+                break
+            if len(req.output_ids) >= p.max_tokens:
+                self._finish(req, FinishReason.LENGTH)
+                break
+        return output_of(req, tokens[:n], logprobs[:n] if logprobs is not None else None)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self.kv.free(req)
+        self._released.append(req)
+        if self.policy is not None:
+            self.policy.forget(req)
+
+
+def reserve_slots(draft: DraftShape | None) -> int:
+    if draft is None:
+        return 2
+    return 2 * (1 + draft.num_speculative_tokens) + draft.query_len
+
+
+def output_of(req: Request, added: list[int], logprobs: list[tuple] | None = None) -> StepOutput:
+    if req.finish_reason is None:
+        return StepOutput(req.request_id, added, logprobs=logprobs)
+    return StepOutput(req.request_id, added, req.finish_reason.value, req.stats.to_dict(), logprobs)
+
+
+def _decoding(req: Request) -> bool:
+    """Every committed token but the last (the anchor) is in the cache: the request takes decode steps."""
+    return bool(req.output_ids) and req.num_computed == req.num_tokens - 1
+
+
+def _no_policy(n: int, token_limit: int) -> PolicyView:
+    return PolicyView(False, n, None, {}, {}, (1.0,) * n, (1.0,) * n, 0, token_limit)
+
+
+def _record(req: Request, accepted: int, verified: int, result: StepResult, draft: DraftShape | None) -> None:
+    s = req.stats
+    s.steps += 1
+    s.drafted += verified
+    s.accepted += accepted
+    s.accepted_per_step.append(accepted)
+    s.verified_per_step.append(verified)
+    n = draft.num_speculative_tokens if draft is not None else 0
+    if len(s.per_position_accepted) < n:
+        s.per_position_accepted.extend([0] * (n - len(s.per_position_accepted)))
+    for i in range(accepted):
+        s.per_position_accepted[i] += 1
+    s.draft_ms += result.draft_ms
+    s.verify_ms += result.verify_ms
+    s.transfer_ms += result.transfer_ms
