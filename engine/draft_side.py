@@ -101,16 +101,17 @@ class DraftSide:
         return self.markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
                                  inp.anchor_pos.to(dev), need_q)
 
-    def propose_chained(self, packed: Tensor, anchor_pos: list[int], n: list[int], tables: list[list[int]],
-                        temperature: list[float], seeds: list[int], feats: list[Tensor]) -> DraftProposal | None:
+    def propose_chained(self, packed: Tensor, anchor_pos: list[int], tables: list[list[int]],
+                        temperature: list[float], seeds: list[int], feats: Tensor) -> DraftProposal | None:
         """DraftGraphs.propose_chained, when a bucket takes the step at its furthest (every draft accepted)."""
         g = self.graphs
-        shape = g.shape_for([p + k + 1 for p, k in zip(anchor_pos, n)]) if g is not None else None
-        if shape is None or not g.fits_context(sum(k + 1 for k in n), shape):
+        n = feats.shape[1] - 1
+        shape = g.shape_for([p + n + 1 for p in anchor_pos]) if g is not None else None
+        if shape is None or not g.fits_context(len(anchor_pos) * (n + 1), shape):
             return None
         temps = torch.tensor(temperature, dtype=torch.float32)
         need_q = self.spec.draft_sample_method != "greedy" and bool((temps >= 1e-5).any())
-        return g.propose_chained(packed, anchor_pos, n, tables, temps, seeds, need_q, shape, feats)
+        return g.propose_chained(packed, anchor_pos, tables, temps, seeds, need_q, shape, feats)
 
     def _write_context(self, features: Tensor, tables: list[list[int]], starts: list[int], lens: list[int]) -> None:
         """Eagerly: context K/V of lens[i] new rows at positions starts[i].. (features [sum(lens), F])."""

@@ -1,9 +1,9 @@
 """How many KV blocks fit in a share of a GPU's memory, beside the weights already loaded and a reserve for the
-CUDA graphs' outputs and the step's working memory. Pure arithmetic; the engine reads the device."""
+CUDA graphs and the step's working memory. Pure arithmetic; the engine reads the device."""
 
 from __future__ import annotations
 
-from .runner.buckets import MAX_GRAPH_TOKENS, WARM_CONTEXT, GraphBuckets
+from .runner.buckets import WARM_CONTEXT, GraphBuckets, token_buckets
 
 WORKSPACE_BYTES = 1 << 30  # activations, prefill temporaries, the allocator's slack
 TILED_SHARE = 0.02  # tile-major copies the runner may add (they are kept when within 2 % of the GPU)
@@ -14,17 +14,19 @@ def block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: i
     return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
 
 
-def graph_reserve_bytes(vocab_size: int, query_lens: tuple[int, ...], max_batch: int,
-                        buckets: GraphBuckets = GraphBuckets()) -> int:
-    """The fp32 logits each recorded target graph keeps: every batch bucket up to max_batch's at contexts up to
-    WARM_CONTEXT, batch 1 beyond (the warm-up's set)."""
+def graph_reserve_bytes(vocab_size: int, num_drafts: int, max_batch: int, hidden_size: int = 0,
+                        feature_size: int = 0, buckets: GraphBuckets = GraphBuckets()) -> int:
+    """The verify graphs' memory: the fp32 logits of the largest step (each graph's logits live only while it
+    runs, in one pool the graphs share) and what every recorded graph keeps (its rows' hidden states and features,
+    bf16, and its accept) for the warm-up's set of shapes."""
     top = next((b for b in buckets.batch if b >= max_batch), buckets.batch[-1])
-    rows = 0
-    for q in query_lens:
-        for c in buckets.context:
-            rows += sum(b * q for b in buckets.batch if b <= top and b * q <= MAX_GRAPH_TOKENS
-                        and (b == 1 or c <= WARM_CONTEXT))
-    return rows * vocab_size * 4
+    width = 1 + num_drafts
+    kept = 0
+    for c in buckets.context:
+        for b in buckets.batch:
+            if b <= top and (b == 1 or c <= WARM_CONTEXT):
+                kept += len(token_buckets(b, num_drafts)) * b * width * (2 * (hidden_size + feature_size) + 8 * 2)
+    return top * width * vocab_size * 4 + kept
 
 
 def kv_blocks_for_memory(total_bytes: int, used_bytes: int, utilization: float, per_block_bytes: int,

@@ -131,7 +131,7 @@ class LLM:
                                            num_kv_blocks * block_size - reserve_slots(draft_shape(draft_side)))
         if not (self.target.device.type != "cuda" if cfg.enforce_eager is None else cfg.enforce_eager):
             drafts = draft_side.num_speculative_tokens if draft_side is not None else 0
-            self.target.use_static_shapes((1, 1 + drafts) if drafts else (1,), self.max_model_len)
+            self.target.use_static_shapes(drafts, self.max_model_len, spec.dspark_survival_threshold)
             if isinstance(draft_side, DraftSide):
                 draft_side.use_static_shapes(self.max_model_len)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
@@ -186,7 +186,8 @@ class LLM:
             d = draft.config.layers
             per_block += block_bytes(d.num_layers, d.num_kv_heads, d.head_dim, block_size, size)
         free, total = torch.cuda.mem_get_info(target.lm_head.weight.device)
-        reserve = graph_reserve_bytes(c.vocab_size, (1, 1 + drafts) if drafts else (1,), max_num_seqs)
+        features = draft.config.context_dim if draft is not None else 0
+        reserve = graph_reserve_bytes(c.vocab_size, drafts, max_num_seqs, c.hidden_size, features)
         return kv_blocks_for_memory(total, total - free, utilization, per_block, reserve)
 
     def warm_up(self, max_batch: int | None = None) -> int:

@@ -41,13 +41,26 @@ def _draft_mask(draft_tokens: Tensor, num_draft: Tensor) -> Tensor:
     return (col < num_draft[:, None]) & (draft_tokens >= 0)
 
 
+PACKED_VERIFIED, PACKED_ACCEPTED, PACKED_TOKENS = 0, 1, 2  # the columns of a step's packed accept
+
+
+def pack_accept(num_verified: Tensor, result: VerifyResult) -> Tensor:
+    """A step's accept in one int64 tensor for one host read: [R, 2 + n + 1] = drafts verified, drafts accepted,
+    then the output tokens (-1 padded)."""
+    return torch.cat([num_verified[:, None].long(), result.num_accepted[:, None], result.output_tokens], 1)
+
+
 def verify_greedy(draft_tokens: Tensor, num_draft: Tensor, target_logits: Tensor) -> VerifyResult:
-    """Accept while draft == target argmax. draft_tokens [R, n], num_draft [R], target_logits [R, n + 1, V].
+    """Accept while draft == target argmax. draft_tokens [R, n], num_draft [R], target_logits [R, n + 1, V]."""
+    return verify_greedy_ids(draft_tokens, num_draft, target_logits.argmax(-1))
+
+
+def verify_greedy_ids(draft_tokens: Tensor, num_draft: Tensor, target_ids: Tensor) -> VerifyResult:
+    """verify_greedy from the target's argmax ids [R, n + 1].
 
     The accepted drafts equal the target's argmax, so the output is the argmax row up to the correction (or bonus)
     at num_accepted; padding drafts (-1) never equal an argmax."""
     n = draft_tokens.shape[1]
-    target_ids = target_logits.argmax(-1)  # [R, n + 1]
     col = torch.arange(n + 1, device=target_ids.device)
     accepted = (draft_tokens == target_ids[:, :n]) & (col[:n] < num_draft[:, None])  # [R, n]
     num_accepted = _accepted_prefix(accepted)  # [R]

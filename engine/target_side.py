@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.models.qwen import QwenForCausalLM
 
+from .draft_split import DraftSlots
 from .kv_cache import batch_metadata, positions_of
+from .rejection import pack_accept, verify_greedy
 from .runner.prompt_graphs import PromptGraphs
 from .runner.target_graphs import TargetGraphs
 from .runner.target_runner import TargetRunner
 from .request import Request
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A verify step on the device: every row's greedy accept, the features of its positions, and the logits of
+    the rows that need them (sampling, processed logits, logprobs), computed on demand."""
+
+    packed: Tensor  # [R, 2 + W + 1] int64 (rejection.pack_accept)
+    feats: Tensor | None  # [R, 1 + W, F]: each row's anchor and drafts (past its length: padding)
+    width: int  # W: draft columns
+    logits_of: Callable[[list[int]], Tensor]  # rows -> [len(rows), 1 + W, V] fp32
 
 
 class TargetSide:
@@ -28,12 +44,13 @@ class TargetSide:
         self.graphs: TargetGraphs | None = None
         self.prompts: PromptGraphs | None = None
 
-    def use_static_shapes(self, query_lens: tuple[int, ...], max_model_len: int, capture: bool | None = None) -> None:
-        """Decode/verify steps that fit a bucket, and the prefill of a few fresh prompts, run with static shapes (as
-        CUDA graphs on CUDA)."""
+    def use_static_shapes(self, num_drafts: int, max_model_len: int, survival_floor: float = 0.0,
+                          capture: bool | None = None) -> None:
+        """Verify steps of up to num_drafts drafts a row (plain decoding: 0) that fit a bucket, and the prefill of a
+        few fresh prompts, run with static shapes (as CUDA graphs on CUDA)."""
         trash = self.num_blocks * self.block_size
-        self.graphs = TargetGraphs(self.runner, self.cache, self.block_size, trash, query_lens, max_model_len,
-                                   self.capture_layers, capture=capture)
+        self.graphs = TargetGraphs(self.runner, self.cache, self.block_size, trash, num_drafts, max_model_len,
+                                   self.capture_layers, survival_floor, capture=capture)
         kernels = self.runner.kernels
         self.prompts = PromptGraphs(self.runner, self.cache, self.block_size, trash, max_model_len,
                                     self.capture_layers, capture, kernels.prompt_graph_work) \
@@ -50,28 +67,38 @@ class TargetSide:
         return self.model.config.vocab_size
 
     @torch.inference_mode()
-    def verify(self, reqs: list[Request], drafts: Tensor | None, n: list[int], anchors: list[int] | None = None,
-               computed: list[int] | None = None) -> tuple[Tensor, list[Tensor | None], Tensor | None]:
-        """Each request's anchor (`anchors` overrides r.anchor) plus its first n[b] drafts (drafts [R, N] int64 on
-        the device, or None): run()'s outputs, and on the static path their greedy verification, computed in the
-        graph ([R, 1 + q]: accepted count, output tokens; else None). On the static path the drafts stay on the
-        device; otherwise they are read to the host first. `computed` overrides the requests' num_computed."""
-        starts, lens = [r.num_computed for r in reqs] if computed is None else computed, [1 + k for k in n]
+    def verify(self, reqs: list[Request], slots: DraftSlots, drafts: Tensor | None, conf: Tensor | None,
+               anchors: list[int] | None = None, computed: list[int] | None = None) -> Verified:
+        """Each request's anchor (`anchors` overrides r.anchor) and a prefix of its drafts (drafts [R, N] int64 on
+        the device or None, conf [R, N] the drafter's c_k or None), as `slots` bound them, at positions
+        num_computed.. (`computed` overrides): on the static path the split and the greedy accept run in the graph
+        and nothing waits for the device; otherwise the split reads the confidences on the host."""
+        starts = [r.num_computed for r in reqs] if computed is None else computed
         anchors = [r.anchor for r in reqs] if anchors is None else anchors
-        shape = self.graphs.shape_for(starts, lens) if self.graphs is not None else None
-        if shape is None:
-            rows = drafts.tolist() if drafts is not None else [[] for _ in reqs]
-            return *self.run(reqs, [[a] + d[:k] for a, d, k in zip(anchors, rows, n)], last_only=False,
-                             starts=starts), None
-        return self._run_static(reqs, starts, [[a] + [0] * k for a, k in zip(anchors, n)], shape, drafts)
-
-    def _run_static(self, reqs: list[Request], starts: list[int], tokens: list[list[int]], shape: tuple[int, int, int],
-                    drafts: Tensor | None = None) -> tuple[Tensor, list[Tensor | None], Tensor]:
-        """run()'s outputs from the bucket's graph and its greedy verification (drafts: see TargetGraphs.run)."""
-        lens = [len(t) for t in tokens]
-        logits, feats, accept = self.graphs.run([r.target_blocks for r in reqs], starts, tokens, shape, drafts=drafts)
-        per_req = [f[:k] for f, k in zip(feats, lens)] if feats is not None else [None] * len(reqs)
-        return logits[:, :max(lens)], per_req, accept
+        g = self.graphs
+        shape = g.shape_for(len(reqs), len(reqs) + slots.budget, max(starts)) if g is not None else None
+        if shape is not None:
+            out = g.verify([r.target_blocks for r in reqs], starts, anchors, slots.caps, slots.pinned, slots.budget,
+                           slots.ratios, slots.thresholds, drafts, conf, shape)
+            hidden = out.hidden
+            return Verified(out.packed, out.feats, g.n,
+                            lambda rows: self.runner.compute_logits(hidden[rows].flatten(0, 1)).view(
+                                len(rows), hidden.shape[1], -1))
+        n = slots.split_on_host(conf)
+        rows = drafts.tolist() if drafts is not None else [[] for _ in reqs]
+        logits, feats = self.run(reqs, [[a] + d[:k] for a, d, k in zip(anchors, rows, n)], last_only=False,
+                                 starts=starts)  # [R, 1 + W, V]
+        width = logits.shape[1] - 1
+        d = drafts[:, :width] if drafts is not None else torch.zeros(len(reqs), 0, dtype=torch.int64,
+                                                                    device=self.device)
+        num = torch.tensor(n, dtype=torch.int64, device=self.device)
+        packed = pack_accept(num, verify_greedy(d, num, logits))
+        padded = None
+        if feats[0] is not None:
+            padded = feats[0].new_zeros(len(reqs), width + 1, feats[0].shape[-1])
+            for i, f in enumerate(feats):
+                padded[i, :f.shape[0]] = f
+        return Verified(packed, padded, width, lambda rows: logits[rows])
 
     @torch.inference_mode()
     def run(self, reqs: list[Request], tokens: list[list[int]], last_only: bool,
@@ -87,9 +114,6 @@ class TargetSide:
         lens = [len(t) for t in tokens]
         if last_only and self.prompts is not None and self.prompts.takes(starts, lens):
             return self.prompts.run([r.target_blocks for r in reqs], tokens)
-        shape = self.graphs.shape_for(starts, lens) if self.graphs is not None and not last_only else None
-        if shape is not None:
-            return self._run_static(reqs, starts, tokens, shape)[:2]
         meta = batch_metadata([r.target_blocks for r in reqs], starts, lens, self.block_size, self.device)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
         hidden, feats = self.runner.forward(ids, positions_of(starts, lens, self.device), meta, self.cache,

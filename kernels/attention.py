@@ -14,7 +14,8 @@ class AttentionMetadata:
     """Where a flat batch of query tokens sits in the paged cache.
 
     Query token i of sequence b is at position seq_lens[b] - query_lens[b] + i, so every sequence's new
-    tokens are its last ones; `causal=False` lets each query see all seq_lens[b] keys (the draft block).
+    tokens are its last ones; `causal=False` lets each query see all seq_lens[b] keys (the draft block). Tokens
+    past cu_seqlens_q[-1] are padding: no sequence's, their outputs are not defined.
     """
 
     cu_seqlens_q: Tensor  # [num_reqs + 1] int64, cumulative query lengths
@@ -46,10 +47,12 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
 
 
 def _query_layout(meta: AttentionMetadata, num_tokens: int) -> tuple[Tensor, Tensor]:
-    """(request index, offset within its query) for every flat token."""
-    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]  # [num_reqs]
-    req = torch.repeat_interleave(torch.arange(meta.num_reqs, device=q_lens.device), q_lens, output_size=num_tokens)
-    return req, torch.arange(num_tokens, device=q_lens.device) - meta.cu_seqlens_q[req]
+    """(request index, offset within its query) for every flat token; padding tokens (past the last query) get
+    the last request and an offset past its query."""
+    cu = meta.cu_seqlens_q
+    tok = torch.arange(num_tokens, device=cu.device)
+    req = torch.searchsorted(cu[1:], tok, right=True).clamp(max=meta.num_reqs - 1)
+    return req, tok - cu[req]
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
@@ -57,6 +60,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     req, off = _query_layout(meta, num_tokens)
+    real = off < meta.max_query_len  # padding tokens past the last query are dropped
+    if not bool(real.all()):
+        q, req, off = q[real], req[real], off[real]
     q_pad = q.new_zeros(meta.num_reqs, meta.max_query_len, num_heads, head_dim)  # [R, Q, H, D]
     q_pad[req, off] = q
     kv_pos = torch.arange(meta.max_seq_len, device=q.device)  # [S]
@@ -74,7 +80,12 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
         q_pad.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
         attn_mask=mask[:, None].expand(-1, 1, meta.max_query_len, -1), scale=scale,
         enable_gqa=num_heads != k.shape[2])  # [R, H, Q, D]
-    return out.transpose(1, 2)[req, off]
+    rows = out.transpose(1, 2)[req, off]
+    if rows.shape[0] == num_tokens:
+        return rows
+    full = rows.new_zeros(num_tokens, num_heads, head_dim)
+    full[real] = rows
+    return full
 
 
 def prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

@@ -84,6 +84,7 @@ def test_chained_proposal_equals_a_fresh_draft(monkeypatch):
     import torch
 
     from dspark_serve.engine.drafter import draft_input
+    from dspark_serve.engine.rejection import PACKED_ACCEPTED, PACKED_TOKENS
     target, draft = build_pair(seed=11, agree=0.005, block_size=5)
     with torch.no_grad():
         draft.norm.weight.fill_(1.0)  # the block's hidden (context included) reaches the logits
@@ -100,7 +101,7 @@ def test_chained_proposal_equals_a_fresh_draft(monkeypatch):
         for c, (n, feats) in zip(contexts, saved):
             c.length, c.pending = n, feats
         packed = launched.packed
-        anchors = [int(packed[i, int(packed[i, 0]) + 1]) for i in range(len(reqs))]
+        anchors = [int(packed[i, PACKED_TOKENS + int(packed[i, PACKED_ACCEPTED])]) for i in range(len(reqs))]
         fresh = llm.draft.propose(draft_input(reqs, contexts, anchors, computed, computed))
         for c, (n, feats) in zip(contexts, done):
             c.length, c.pending = n, feats

@@ -14,6 +14,7 @@ import torch
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.request import Request
 from dspark_serve.engine.sampling_params import SamplingParams
+from dspark_serve.engine.runner.buckets import token_buckets
 from dspark_serve.engine.target_side import TargetSide
 from dspark_serve.models.random_init import tiny_pair
 
@@ -41,8 +42,8 @@ def test_static_path_outputs_equal_dynamic_path(temperature, with_draft):
         got = static.generate(batch, params[:len(batch)])
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
     shapes = set(static.target.graphs._runners)
-    q = 7 if with_draft else 1  # anchor + 6 drafts
-    assert {(q, 4, 256), (q, 8, 512)} <= shapes, shapes  # both batch buckets; the long prompt's context bucket
+    # both batch buckets; the long prompt's context bucket
+    assert {(4, 256), (8, 512)} <= {(b, c) for b, _, c in shapes}, shapes
     if with_draft:
         assert sum(o.stats["accepted"] for o in got) > 0
         assert {(4, 256), (8, 512)} <= {k[:2] for k in static.draft.graphs._runners}
@@ -58,11 +59,21 @@ def _requests(side: TargetSide, prompts: list[list[int]]) -> list[Request]:
     return reqs
 
 
+def _verify(side: TargetSide, reqs: list[Request], rows: list[list[int]], n: int = 3):
+    """Verify each row (its anchor, then its drafts, all of them) -> Verified."""
+    from dspark_serve.engine.draft_split import DraftSlots
+
+    caps = [len(r) - 1 for r in rows]
+    drafts = torch.tensor([r[1:] + [0] * (n - len(r) + 1) for r in rows])
+    slots = DraftSlots(caps, [False] * len(rows), sum(caps), [[1.0] * n] * len(rows), [0.0] * len(rows))
+    return side.verify(reqs, slots, drafts if n else None, None, [r[0] for r in rows])
+
+
 def test_static_verify_logits_and_features_match_dynamic():
     target, draft = tiny_pair(seed=2, agree=0.01, block_size=4, dtype=torch.float32)
     layers = draft.config.target_layer_ids
     sides = [TargetSide(target, 64, 8, capture_layers=layers) for _ in range(2)]
-    sides[1].use_static_shapes((1, 4), max_model_len=128)
+    sides[1].use_static_shapes(3, max_model_len=128)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (5, 17, 3)]
     outs = []
@@ -71,13 +82,14 @@ def test_static_verify_logits_and_features_match_dynamic():
         side.run(reqs, [r.prompt_ids for r in reqs], last_only=True)  # prefill (prompt graphs in the static one)
         for r in reqs:
             r.num_computed = len(r.prompt_ids)
-        verify = [[7, 8, 9], [1], [4, 5, 6, 7]]  # rows of 3, 1 and 4 tokens
-        outs.append(side.run(reqs, verify, last_only=False))
-    (la, fa), (lb, fb) = outs
+        outs.append(_verify(side, reqs, [[7, 8, 9], [1], [4, 5, 6, 7]]))  # rows of 3, 1 and 4 tokens (varlen)
+    a, b = outs
+    assert torch.equal(a.packed, b.packed) and a.packed[:, 0].tolist() == [2, 0, 3]
+    la, lb = a.logits_of([0, 1, 2]), b.logits_of([0, 1, 2])
     assert la.shape == lb.shape == (3, 4, target.config.vocab_size)
     for r, n in enumerate([3, 1, 4]):
         assert torch.allclose(la[r, :n], lb[r, :n], atol=1e-5, rtol=1e-5)
-        assert torch.allclose(fa[r], fb[r], atol=1e-5, rtol=1e-5) and fb[r].shape[0] == n
+        assert torch.allclose(a.feats[r, :n], b.feats[r, :n], atol=1e-5, rtol=1e-5)
     # the verify wrote K/V for real tokens only: both caches agree on every live block, the trash block aside
     live = sides[0].num_blocks
     assert torch.allclose(sides[0].cache[:, :, :live], sides[1].cache[:, :, :live], atol=1e-6)
@@ -87,7 +99,7 @@ def test_static_verify_logits_and_features_match_dynamic():
 def test_prompt_graphs_match_dynamic_prefill(lens):
     target, draft = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
     sides = [TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids) for _ in range(2)]
-    sides[1].use_static_shapes((1, 4), max_model_len=128)
+    sides[1].use_static_shapes(3, max_model_len=128)
     assert sides[1].prompts.lengths == (32, 48, 64, 96, 128)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in lens]
@@ -107,7 +119,7 @@ def test_prompt_graphs_match_dynamic_prefill(lens):
 def test_prompt_graphs_leave_compute_bound_prefills_eager():
     target, _ = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
     side = TargetSide(target, 64, 8)
-    side.use_static_shapes((1,), max_model_len=128)
+    side.use_static_shapes(0, max_model_len=128)
     c = target.config
     w = side.prompts.layer_weights
     assert w == c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim \
@@ -161,7 +173,7 @@ def test_capture_runs_on_padding_and_restores_the_step(monkeypatch, fails):
     else:
         monkeypatch.setattr(cuda_graphs, "capture",
                             _padding_only_capture([sides[1].cache, drafts[1].cache], 64, pools))
-    sides[1].use_static_shapes((1, 4), max_model_len=128, capture=True)
+    sides[1].use_static_shapes(3, max_model_len=128, capture=True)
     drafts[1].use_static_shapes(max_model_len=128, capture=True)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (9, 20)]
@@ -173,7 +185,7 @@ def test_capture_runs_on_padding_and_restores_the_step(monkeypatch, fails):
             prefill = side.run(reqs, prompts, last_only=True)
             for r in reqs:
                 r.num_computed = len(r.prompt_ids)
-            verify = side.run(reqs, [[7, 8, 9, 1], [4, 5]], last_only=False)
+            verify = _verify(side, reqs, [[7, 8, 9, 1], [4, 5]])
             tables = [pool(dside).allocate(n + 16) for n in (9, 20)]
             feats = torch.cat(prefill[1])
             inp = DraftInput(anchors=torch.tensor([3, 9]), anchor_pos=torch.tensor([9, 20]),
@@ -181,13 +193,17 @@ def test_capture_runs_on_padding_and_restores_the_step(monkeypatch, fails):
                              features=feats, block_table=torch.tensor([t + [0] * (8 - len(t)) for t in tables]),
                              temperature=torch.tensor([0.0, 0.8]), seeds=torch.tensor([1, 2]))
             proposal = dside.propose(inp)
-            decode = side.run(reqs, [[5], [6]], last_only=False)  # a second verify-graph shape: the same pool
+            for r, v in zip(reqs, [4, 2]):  # the verified tokens are committed
+                r.num_computed += v
+            decode = _verify(side, reqs, [[5], [6]])  # a second verify-graph shape: the same pool
             outs.append((prefill, verify, proposal, decode))
     (pa, va, da, ca), (pb, vb, db, cb) = outs
-    torch.testing.assert_close(cb[0], ca[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cb.logits_of([0, 1])[:, :1], ca.logits_of([0, 1])[:, :1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pb[0], pa[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(vb[0][0, :4], va[0][0, :4], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(vb[0][1, :2], va[0][1, :2], atol=1e-5, rtol=1e-5)
+    lva, lvb = va.logits_of([0, 1]), vb.logits_of([0, 1])
+    torch.testing.assert_close(lvb[0, :4], lva[0, :4], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lvb[1, :2], lva[1, :2], atol=1e-5, rtol=1e-5)
+    assert torch.equal(va.packed, vb.packed) and torch.equal(ca.packed, cb.packed[:, :3])  # plain: one token
     assert torch.equal(da.tokens, db.tokens)
     torch.testing.assert_close(db.confidence_logits, da.confidence_logits, atol=1e-5, rtol=1e-5)
     failed = [str(w.message) for w in caught if "capture failed" in str(w.message)]
@@ -213,11 +229,11 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
     dside, deager = (DraftSide(draft, 64, 8, SpeculativeConfig(dspark_draft_topk=8), 256) for _ in range(2))
     pools: list = []
     monkeypatch.setattr(cuda_graphs, "capture", _padding_only_capture([side.cache, dside.cache], 64, pools))
-    side.use_static_shapes((1, 4), max_model_len=300, capture=True)
+    side.use_static_shapes(3, max_model_len=300, capture=True)
     dside.use_static_shapes(max_model_len=300, capture=True)
     side.prompts.max_work = 96 * side.prompts.layer_weights  # one prompt of <= 96 tokens
-    assert side.warm_up() == 2 * 2 + 4 and dside.warm_up() == 2 * 2 and len(pools) == 12
-    assert set(side.graphs._runners) == {(q, 1, c) for q in (1, 4) for c in (256, 304)}
+    assert side.warm_up() == 4 * 2 + 4 and dside.warm_up() == 2 * 2 and len(pools) == 16
+    assert set(side.graphs._runners) == {(1, t, c) for t in (1, 2, 3, 4) for c in (256, 304)}
     assert set(side.prompts._runners) == {32, 48, 64, 96}  # of the buckets up to 384
     assert set(dside.graphs._runners) == {(1, c, q) for c in dside.graphs.buckets.context for q in (False, True)}
     assert side.warm_up() == 0 and dside.warm_up() == 0  # nothing left to record
@@ -228,14 +244,14 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
         reqs = _requests(ts, [prompt])
         prefill = ts.run(reqs, [prompt], last_only=True)
         reqs[0].num_computed = len(prompt)
-        verify = ts.run(reqs, [[7, 8, 9, 1]], last_only=False)
+        verify = _verify(ts, reqs, [[7, 8, 9, 1]]).logits_of([0])
         table = pool(ds).allocate(40 + 16)
         inp = DraftInput(anchors=torch.tensor([3]), anchor_pos=torch.tensor([40]),
                          ctx_start=torch.zeros(1, dtype=torch.int64), ctx_len=torch.tensor([40]),
                          features=prefill[1][0], block_table=torch.tensor([table]),
                          temperature=torch.tensor([0.8]), seeds=torch.tensor([5]))
-        outs.append((prefill[0], verify[0], ds.propose(inp)))
-    assert len(pools) == 12  # the requests replayed what warm-up recorded
+        outs.append((prefill[0], verify, ds.propose(inp)))
+    assert len(pools) == 16  # the requests replayed what warm-up recorded
     (pa, va, da), (pb, vb, db) = outs
     torch.testing.assert_close(pb, pa, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(vb, va, atol=1e-5, rtol=1e-5)
@@ -289,12 +305,12 @@ def test_warm_up_records_every_batch_bucket_up_to_a_context(monkeypatch):
     monkeypatch.setattr(cuda_graphs, "capture", _padding_only_capture([side.cache, dside.cache], 64, []))
     monkeypatch.setattr(target_graphs, "WARM_CONTEXT", 256)
     monkeypatch.setattr(sys.modules["dspark_serve.engine.runner.draft_graphs"], "WARM_CONTEXT", 256)
-    side.use_static_shapes((1, 4), max_model_len=600, capture=True)
+    side.use_static_shapes(3, max_model_len=600, capture=True)
     dside.use_static_shapes(max_model_len=600, capture=True)
     side.graphs.warm_up(3), dside.graphs.warm_up(3)
     contexts = side.graphs.buckets.context
     assert contexts[0] == 256 and len(contexts) > 1
-    assert set(side.graphs._runners) == {(q, b, c) for q in (1, 4) for b in (1, 2, 4) for c in contexts
+    assert set(side.graphs._runners) == {(b, t, c) for b in (1, 2, 4) for t in token_buckets(b, 3) for c in contexts
                                          if b == 1 or c == 256}
     assert set(dside.graphs._runners) == {(b, c, q) for b in (1, 2, 4) for c in dside.graphs.buckets.context
                                           for q in (False, True) if b == 1 or c == 256}

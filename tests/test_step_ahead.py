@@ -101,14 +101,15 @@ def test_abort_between_steps(taken):
     assert any(k == n < launched for k, n, launched in taken)  # the aborted request's row was dropped
 
 
-def test_not_ahead_when_n_reads_confidences(taken):
-    """With the confidence threshold, n depends on this step's confidences: nothing is launched ahead."""
+def test_ahead_when_n_reads_confidences(taken):
+    """With the confidence threshold, n depends on this step's confidences; the split runs in the verify graph, so
+    steps are still launched ahead, and change no output."""
     target, draft = build_pair(seed=11, agree=0.005, block_size=5)
     outs = _generate_both(target, draft, {"dspark_confidence_threshold": 0.5}, True, random_prompts(3, 6), _params(6),
                           taken)
     for a, b in zip(outs[False], outs[True]):
         _same(a, b)
-    assert taken and all(t[0] == 0 for t in taken)
+    assert sum(t[0] for t in taken) > sum(t[1] for t in taken) // 2
 
 
 class _DraftBehindAChannel:

@@ -141,7 +141,7 @@ class Executor:
                 pipeline.keep_drafted(reqs, pos, computed,
                                       draft.propose(draft_input(reqs, contexts, anchors, pos, computed)))
         pipeline.launched = None
-        if not pipeline.step_ahead or max(remaining) <= 0 or (rows.drafts_wanted and rows.needs_confidences()):
+        if not pipeline.step_ahead or max(remaining) <= 0:
             return
         if not all(self._fits(c + 1 + k, r.target_blocks) for r, c, k in zip(reqs, computed, caps)):
             return

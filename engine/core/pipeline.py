@@ -32,10 +32,10 @@ class ChainingDrafter(Protocol):
     @property
     def block_size(self) -> int: ...
 
-    def propose_chained(self, packed: Tensor, anchor_pos: list[int], n: list[int], tables: list[list[int]],
-                        temperature: list[float], seeds: list[int], feats: list[Tensor]) -> DraftProposal | None:
-        """The draft of the step after a verify still on the device (packed [R, 1 + W]: its accept), queued behind
-        it; None when it cannot be staged."""
+    def propose_chained(self, packed: Tensor, anchor_pos: list[int], tables: list[list[int]],
+                        temperature: list[float], seeds: list[int], feats: Tensor) -> DraftProposal | None:
+        """The draft of the step after a verify still on the device (packed: its accept, rejection.pack_accept;
+        feats [R, 1 + N, F] its features), queued behind it; None when it cannot be staged."""
         ...
 
 
@@ -45,9 +45,9 @@ class Launched:
 
     reqs: list[Request]
     proposal: DraftProposal | None
-    n: list[int]  # drafts verified per request
-    feats: list[Tensor | None]  # per request: target features of its anchor and verified drafts
-    packed: Tensor  # [R, 1 + W] int64 on the device: accepted count, then the output tokens (-1 padded)
+    caps: list[int]  # drafts each row could verify (how many it did is in `packed`)
+    feats: Tensor | None  # [R, 1 + W, F] target features of each row's anchor and drafts
+    packed: Tensor  # [R, 2 + W + 1] int64 on the device: verified, accepted, output tokens (rejection.pack_accept)
     draft_ms: float
     launched_at: float  # perf_counter once the draft was in hand
     key: list[tuple] = ()  # launched ahead: per request the (anchor_pos, num_computed, anchor) it assumed
@@ -122,14 +122,13 @@ class StepPipeline:
         """Queue the draft of the step after `launched` (whose rows anchor at `pos`) behind it on the device."""
         launched = self.launched
         if not (self.chain_ahead and isinstance(draft, ChainingDrafter) and draft.can_chain) \
-                or any(f is None for f in launched.feats) \
-                or any(c.length != p or c.pending for c, p in zip(contexts, pos)):
+                or launched.feats is None or any(c.length != p or c.pending for c, p in zip(contexts, pos)):
             return
         reqs, q_len = launched.reqs, draft.query_len
         if any(-(-(p + k + 1 + q_len) // draft.block_size) > len(r.draft_blocks)
-               for r, p, k in zip(reqs, pos, launched.n)):
+               for r, p, k in zip(reqs, pos, launched.caps)):
             return
-        proposal = draft.propose_chained(launched.packed, pos, launched.n, [r.draft_blocks for r in reqs],
+        proposal = draft.propose_chained(launched.packed, pos, [r.draft_blocks for r in reqs],
                                          [r.params.temperature for r in reqs], [r.seed for r in reqs],
                                          launched.feats)
         self.chained = None if proposal is None else (launched.packed, proposal)

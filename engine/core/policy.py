@@ -5,7 +5,7 @@ conditional confidences c_0..c_k, each corrected by the acceptance measured onli
 shrunk towards the server-wide estimate; without a confidence head the online estimate alone). The scheduler
 sizes the step's budget B of verified drafts from what is known before the step's drafts exist (the survivals of
 each request's previous step) and the measured step costs, maximising expected tokens per millisecond; the executor
-then gives B to the slots with the highest survivals across the batch (split_budget, on the device).
+then gives B to the slots with the highest survivals across the batch (engine/draft_split.py, on the device).
 
 Lossless: whether slot k is verified depends on c_0..c_k (which depend on the drafts before k, never on draft k),
 on slots of other requests, and on the past; never on draft k itself.
@@ -16,9 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
+from ..draft_split import MAX_COND
 from .step_costs import StepCosts
 
 if TYPE_CHECKING:
@@ -27,7 +25,6 @@ if TYPE_CHECKING:
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the server-wide correction behind each request's own
 DECAY = 0.97  # weight of older observations per new one, so the estimates follow a changing text
 NO_HEAD_PRIOR = 0.6  # conditional acceptance assumed per position before anything is measured (no confidence head)
-MAX_COND = 0.995  # a corrected conditional confidence never reaches 1
 EXPLORE_EVERY = 16  # steps without a draft after which one drafts anyway, so the estimates keep up with the text
 
 
@@ -35,32 +32,6 @@ def cap_drafts(pinned_or_default: int, max_drafts: int, remaining: int) -> int:
     """Drafts a request can use in a step: its own cap, the draft's block, and its remaining tokens minus the
     correction/bonus token."""
     return max(0, min(pinned_or_default, max_drafts, remaining - 1))
-
-
-def split_budget(conf: Tensor | None, ratios: Tensor, caps: Tensor, pinned: Tensor, budget: Tensor,
-                 thresholds: Tensor | None = None, survival_floor: float = 0.0) -> Tensor:
-    """Drafts each row verifies -> n [R] int64; every tensor on one device, no host sync (capturable).
-
-    conf [R, N] the drafter's c_k (None without a confidence head), ratios [R, N] the online correction (without a
-    head: the conditional acceptance estimates), caps [R] int64, pinned [R] bool (a pinned row's capped slots come
-    first), budget [] int64 slots in all, thresholds [R] (verify the drafts before the first c_k below it; 0 = off),
-    survival_floor (slots below it are never verified). Slot (r, k) ranks by its survival; ties go to the earlier
-    position, then the lower row, so every row keeps a prefix."""
-    num_reqs, n = ratios.shape
-    c = (conf.float() * ratios if conf is not None else ratios).clamp(0.0, MAX_COND)  # [R, N]
-    survival = c.cumprod(-1)  # [R, N], non-increasing along k
-    k = torch.arange(n, device=ratios.device)
-    ok = k[None, :] < caps[:, None]  # [R, N]
-    if thresholds is not None and conf is not None:
-        ok &= (conf.float() >= thresholds[:, None]).long().cumprod(-1).bool()
-    if survival_floor > 0 and conf is not None:  # the threshold rules read the drafter's own c_k
-        ok &= conf.float().cumprod(-1) >= survival_floor
-    score = torch.where(ok, torch.where(pinned[:, None], 2.0, survival), -1.0)  # [R, N]
-    flat = score.t().reshape(-1)  # k-major: slot (r, k) at k * R + r
-    order = torch.argsort(flat, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
-    chosen = (rank < budget) & (flat >= 0)
-    return chosen.view(n, num_reqs).sum(0)
 
 
 @dataclass

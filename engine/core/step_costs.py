@@ -44,9 +44,9 @@ class StepCosts:
             raise ValueError("StepCosts needs at least one verify and one draft point")
         rows, top = [], ()
         for b, pts in sorted(self.verify):
-            pts = _monotone(pts)
-            # a larger batch costs at least what a smaller one does at the same tokens
-            pts = tuple((s, max(ms, _lookup(top, s, self.staircase) if top else 0.0)) for s, ms in pts)
+            # a larger batch costs at least what a smaller one does at the same tokens, and more tokens no less
+            pts = _monotone(tuple((s, max(ms, _lookup(top, s, self.staircase) if top and s <= top[-1][0] else 0.0))
+                                  for s, ms in pts))
             rows.append((b, pts))
             top = pts
         object.__setattr__(self, "verify", tuple(rows))

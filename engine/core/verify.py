@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -13,13 +14,14 @@ from torch.profiler import record_function
 
 from ..drafter import DraftContext, DraftProposal, Drafter, draft_input
 from ..logits_processing import StepLogprobs, process_logits, step_logprobs
-from ..rejection import verify_greedy, verify_mixed
+from ..draft_split import DraftSlots
+from ..rejection import PACKED_ACCEPTED, PACKED_TOKENS, PACKED_VERIFIED, pack_accept, verify_mixed
 from ..request import Request
 from ..spec_config import SpeculativeConfig
-from ..target_side import TargetSide
+from ..target_side import TargetSide, Verified
 from .pipeline import Launched, StepPipeline
 from .plan import RowResult
-from .policy import PolicyView, split_budget
+from .policy import PolicyView
 
 
 def region(name: str):
@@ -68,33 +70,19 @@ class Rows:
     def drafts_wanted(self) -> bool:
         return self.budget > 0 and any(self.caps)
 
-    def needs_confidences(self) -> bool:
-        """Whether the split reads this step's confidences: the budget binds, or a threshold rule is on."""
-        return self.budget < sum(self.caps) or self.survival_floor > 0 or any(t > 0 for t in self.thresholds)
-
-    def split(self, proposal: DraftProposal | None) -> list[int]:
-        """Drafts each row verifies (policy.split_budget on the host; a sync on the draft when it must read the
-        confidences)."""
-        if proposal is None or not self.drafts_wanted:
-            return [0] * len(self.reqs)
-        if not self.needs_confidences():
-            return list(self.caps)
-        logits = proposal.confidence_logits
-        conf = torch.sigmoid(logits.float()).cpu() if logits is not None else None
-        ratios = torch.tensor(self.view.ratios_for(self.reqs), dtype=torch.float32)
-        return split_budget(conf, ratios, torch.tensor(self.caps), torch.tensor(self.pinned),
-                            torch.tensor(self.budget), torch.tensor(self.thresholds), self.survival_floor).tolist()
+    def slots(self) -> DraftSlots:
+        return DraftSlots(self.caps, self.pinned, self.budget if self.drafts_wanted else 0,
+                          self.view.ratios_for(self.reqs), self.thresholds, self.survival_floor)
 
 
 def launch(target: TargetSide, draft: Drafter | None, rows: Rows, pipeline: StepPipeline,
            contexts: list[DraftContext], proposal: DraftProposal | None = None, anchors: list[int] | None = None,
            anchor_pos: list[int] | None = None, computed: list[int] | None = None,
            pending: list[list[int]] | None = None) -> Launched:
-    """Draft (or take `proposal`, or the draft made ahead in `pipeline`), choose n, queue the verify and the
-    accept; on the static path nothing here waits for the device unless the split reads confidences. anchors /
-    anchor_pos / computed override the requests' own, and pending are the tokens committed before them (the next
-    step, launched before this one is committed). Rows with penalties or min_tokens are verified on their
-    processed logits, never in the graph."""
+    """Draft (or take `proposal`, or the draft made ahead in `pipeline`), queue the verify with its split of the
+    budget and the accept; on the static path nothing here waits for the device. anchors / anchor_pos / computed
+    override the requests' own, and pending are the tokens committed before them (the next step, launched before
+    this one is committed). Rows that sample or process their logits are verified again on their own logits."""
     reqs, dev = rows.reqs, target.device
     t0 = time.perf_counter()
     with region("dspark.draft"):  # the regions bench/bench_pair.py --profile reports
@@ -102,37 +90,52 @@ def launch(target: TargetSide, draft: Drafter | None, rows: Rows, pipeline: Step
             proposal = pipeline.take_drafted(reqs) or draft.propose(
                 draft_input(reqs, contexts, anchors, anchor_pos, computed))
     t1 = time.perf_counter()
-    n = rows.split(proposal)
     drafts = proposal.tokens.to(dev) if proposal is not None else None
+    logits = proposal.confidence_logits if proposal is not None else None
+    conf = torch.sigmoid(logits.float()).to(dev) if logits is not None else None  # [R, N] c_k
+    slots = rows.slots() if proposal is not None else replace(rows.slots(), budget=0)
     with region("dspark.verify"):
-        logits, feats, accept = target.verify(reqs, drafts, n, anchors, computed)
-    hints = verify_hints(reqs)
-    processed = any(r.params.processes_logits for r in reqs)
-    if processed:
-        logits = process_logits(reqs, logits, drafts, pending)
-    conf = proposal.confidence_logits if proposal is not None else None
-    if not hints["any_sampled"] and accept is not None and not processed:  # all greedy, verified in the graph
-        lp = step_logprobs(reqs, logits, accept[:, 1:])
-        return Launched(reqs, proposal, n, feats, accept, (t1 - t0) * 1e3, t1, logprobs=lp,
-                        **_host_copy(accept, lp, conf))
-    if drafts is None:
-        drafts = torch.zeros(len(reqs), 0, dtype=torch.int64, device=dev)
-    width = logits.shape[1] - 1
-    with region("dspark.accept"):
-        if hints["any_sampled"]:
-            params = sampling_tensors(reqs, dev, anchor_pos)
-            positions = params["anchor_pos"][:, None] + 1 + torch.arange(width + 1, device=dev)  # [R, width + 1]
-            dense = proposal.dense_probs(target.vocab_size) if proposal is not None else None
-            q = dense[:, :width].to(dev) if dense is not None else None
-            result = verify_mixed(drafts[:, :width], to_device(n, torch.int64, dev), logits, q, params["is_greedy"],
-                                  params["temperature"], params["top_k"], params["top_p"], params["min_p"],
-                                  params["seeds"], positions, **hints)
-        else:  # every row greedy: no sampling parameters, no q
-            result = verify_greedy(drafts[:, :width], to_device(n, torch.int64, dev), logits)
-        packed = torch.cat([result.num_accepted[:, None], result.output_tokens], 1)  # [R, 2 + width]
-    lp = step_logprobs(reqs, logits, result.output_tokens)
-    return Launched(reqs, proposal, n, feats, packed, (t1 - t0) * 1e3, t1, logprobs=lp,
+        v = target.verify(reqs, slots, drafts, conf, anchors, computed)
+    packed = v.packed
+    again = [i for i, r in enumerate(reqs) if not r.params.is_greedy or r.params.processes_logits]
+    asking = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    lp = None
+    if again or asking:
+        with region("dspark.accept"):
+            lp = _verify_again(target, reqs, v, again, asking, drafts, proposal, anchor_pos, pending)
+    return Launched(reqs, proposal, rows.caps, v.feats, packed, (t1 - t0) * 1e3, t1, logprobs=lp,
                     **_host_copy(packed, lp, conf))
+
+
+def _verify_again(target: TargetSide, reqs: list[Request], v: Verified, again: list[int], asking: list[int],
+                  drafts: Tensor | None, proposal: DraftProposal | None, anchor_pos: list[int] | None,
+                  pending: list[list[int]] | None) -> StepLogprobs | None:
+    """The rows that sample or process their logits, verified on their own processed logits (their packed rows
+    replaced in place), and the logprobs of the rows that ask for them."""
+    dev, width = target.device, v.width
+    rows = sorted(set(again) | set(asking))
+    sub = [reqs[i] for i in rows]
+    logits = v.logits_of(rows)  # [R', 1 + W, V]
+    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    d = drafts[idx, :width] if drafts is not None else torch.zeros(len(rows), width, dtype=torch.int64, device=dev)
+    if any(r.params.processes_logits for r in sub):
+        logits = process_logits(sub, logits, d, [pending[i] for i in rows] if pending is not None else None)
+    if again:
+        hints = verify_hints(sub)
+        params = sampling_tensors(sub, dev, [anchor_pos[i] for i in rows] if anchor_pos is not None else None)
+        positions = params["anchor_pos"][:, None] + 1 + torch.arange(width + 1, device=dev)  # [R', W + 1]
+        dense = proposal.dense_probs(target.vocab_size) if proposal is not None and hints["any_sampled"] else None
+        q = dense[idx, :width].to(dev) if dense is not None else None
+        num = v.packed[idx, PACKED_VERIFIED]
+        result = verify_mixed(d, num, logits, q, params["is_greedy"], params["temperature"], params["top_k"],
+                              params["top_p"], params["min_p"], params["seeds"], positions, **hints)
+        redo = [j for j, i in enumerate(rows) if i in set(again)]
+        keep = torch.tensor(redo, dtype=torch.int64, device=dev)
+        v.packed.index_copy_(0, idx[keep], pack_accept(num, result)[keep])
+    lp = step_logprobs(sub, logits, v.packed[idx, PACKED_TOKENS:])
+    if lp is None:
+        return None
+    return replace(lp, rows=[rows[j] for j in lp.rows])
 
 
 def _pinned(x: Tensor) -> Tensor:
@@ -140,10 +143,9 @@ def _pinned(x: Tensor) -> Tensor:
     return host.copy_(x, non_blocking=True)
 
 
-def _host_copy(packed: Tensor, logprobs: StepLogprobs | None, conf_logits: Tensor | None) -> dict:
+def _host_copy(packed: Tensor, logprobs: StepLogprobs | None, conf: Tensor | None) -> dict:
     """Launched's host copies: on CUDA the accept (and the confidences, the logprobs) go to pinned memory as soon as
     the accept is computed, with an event."""
-    conf = torch.sigmoid(conf_logits.float()) if conf_logits is not None else None
     if not packed.is_cuda:
         return {"conf_host": conf}
     host = _pinned(packed)
@@ -168,10 +170,11 @@ def finish(launched: Launched, rows, context_of: Callable[[Request], DraftContex
         conf = launched.conf_host.tolist() if launched.conf_host is not None else None
     out = {}
     for i in rows:
-        r, a, k = launched.reqs[i], packed[i][0], launched.n[i]
-        if context_of is not None and launched.feats[i] is not None:
-            context_of(r).pending.append(launched.feats[i][:a + 1])
-        tokens = packed[i][1:a + 2]
+        r, row = launched.reqs[i], packed[i]
+        k, a = row[PACKED_VERIFIED], row[PACKED_ACCEPTED]
+        if context_of is not None and launched.feats is not None:
+            context_of(r).pending.append(launched.feats[i, :a + 1])
+        tokens = row[PACKED_TOKENS:PACKED_TOKENS + a + 1]
         out[r] = RowResult(tokens, a, k, conf[i] if conf is not None else None,
                            lp.of_row(lp_values, i, tokens) if lp is not None else None)
     return out

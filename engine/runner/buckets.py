@@ -11,7 +11,6 @@ class GraphBuckets:
     context: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # key slots attended per row
 
 
-MAX_GRAPH_TOKENS = 512  # each graph keeps its own [tokens, vocab] fp32 logits: larger steps run eagerly
 WARM_CONTEXT = 4096  # at start every batch bucket is recorded up to this context; longer contexts: batch 1 only
 # (the rest on first use), so a 32k-context model does not hold 8 contexts x 9 batches of logits
 
@@ -19,3 +18,10 @@ WARM_CONTEXT = 4096  # at start every batch bucket is recorded up to this contex
 def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
     """The smallest size >= n, or None."""
     return next((s for s in sizes if s >= n), None)
+
+
+def token_buckets(b: int, num_drafts: int) -> list[int]:
+    """The token sizes of a verify step of batch bucket b: b rows times 1, 2, 3, 4, 6, ... up to 1 + num_drafts
+    tokens each (a step pads up to the next)."""
+    per_row = sorted({q for q in (1, 2, 3, 4, 6, 8, 12, 16) if q <= 1 + num_drafts} | {1 + num_drafts})
+    return [b * q for q in per_row]

@@ -23,6 +23,7 @@ from dspark_serve.models.dspark import DSparkDraft
 
 from ..drafter import DraftProposal
 from ..kv_cache import slots_of
+from ..rejection import PACKED_ACCEPTED, PACKED_TOKENS
 from .buckets import WARM_CONTEXT, GraphBuckets, bucket
 from .capture import capture_on_padding, device_ms
 from .draft_runner import DraftRunner
@@ -100,18 +101,16 @@ class DraftGraphs:
         return self._run(b, c, need_q, len(anchors))
 
     @torch.inference_mode()
-    def propose_chained(self, packed: Tensor, anchor_pos: list[int], n: list[int], tables: list[list[int]],
-                        temperature: Tensor, seeds: list[int], need_q: bool, shape: tuple[int, int],
-                        feats: list[Tensor]) -> DraftProposal:
-        """The proposal of the step after a verify still on the device: packed [R, 1 + W] is its accept (accepted
-        count a, then the output tokens), read there. Request r's anchor becomes its output token a at
-        anchor_pos[r] + a + 1; its context is that verify's n[r] + 1 feature rows feats[r] at anchor_pos[r].. (the
-        rows past a land where the new block writes first)."""
+    def propose_chained(self, packed: Tensor, anchor_pos: list[int], tables: list[list[int]], temperature: Tensor,
+                        seeds: list[int], need_q: bool, shape: tuple[int, int], feats: Tensor) -> DraftProposal:
+        """The proposal of the step after a verify still on the device: packed is its accept (rejection.pack_accept),
+        read there. Request r's anchor becomes its output token a at anchor_pos[r] + a + 1; its context is that
+        verify's feature rows feats[r] ([1 + N, F]) at anchor_pos[r].. (the rows past a land where the new block
+        writes first)."""
         b, c = shape
-        r = len(anchor_pos)
-        flat = torch.cat(feats) if len(feats) > 1 else feats[0]
-        self.feats[:flat.shape[0]].copy_(flat, non_blocking=True)
-        context = (tables, list(anchor_pos), [k + 1 for k in n])
+        r, rows = len(anchor_pos), feats.shape[1]
+        self.feats[:r * rows].copy_(feats.flatten(0, 1), non_blocking=True)
+        context = (tables, list(anchor_pos), [rows] * r)
         self.ints.upload(self._layout([0] * r, anchor_pos, tables, seeds, b, c, context))  # anchors: set below
         if need_q:
             self.temps.upload(temperature.tolist() + [0.0] * (b - r))
@@ -160,11 +159,11 @@ class DraftGraphs:
         moved past the accepted tokens of `packed` (the layout holds the verify's anchor positions)."""
         ql, w = self.ql, c // self.bs
         v = self._fields(b, c)
-        a = packed[:, 0]
+        a = packed[:, PACKED_ACCEPTED]
         pos = v["anchor_pos"][:r] + a + 1  # [R]
         block = pos[:, None] + torch.arange(ql, device=self.dev.device)  # [R, ql]
         table = v["block_table"].view(b, w)[:r]
-        v["anchors"][:r] = packed.gather(1, (a + 1)[:, None])[:, 0]
+        v["anchors"][:r] = packed.gather(1, (a + PACKED_TOKENS)[:, None])[:, 0]
         v["anchor_pos"][:r] = pos
         v["seq_lens"][:r] = pos + ql
         v["positions"][:r * ql] = block.flatten()

@@ -1,14 +1,21 @@
-"""CUDA graphs for the target's decode and verify steps.
+"""CUDA graphs for the target's verify step (plain decoding is the same step with no drafts).
 
-Every step of a bucket has the same shapes: `batch` rows of `query_len` tokens each over `context` key slots.
-Short rows and missing requests are padded; padded tokens write their K/V to a reserved trash slot and their
-outputs are dropped. The step's metadata (ids, positions, slots, sequence lengths, drafts to verify, block table)
-travels in one int64 buffer (`step_layout`) with one host-to-device copy, then the bucket's graph replays. On CPU
+A graph fixes the batch `b` (rows), the tokens `t` and the context `c` (key slots attended per row). Each row
+verifies a prefix of its drafts, chosen inside the graph: the step's budget of verified drafts goes to the slots
+with the highest survivals across the rows (engine/draft_split.py), so rows have different lengths and the step
+costs its tokens, not its batch times its longest row. The rows' tokens are laid out one after another (varlen);
+tokens past the last row are padding whose K/V go to a reserved trash slot. Greedy verification runs in the graph
+too; the graph keeps no logits of its own (they are recomputed for the rows that sample, process logits or ask for
+logprobs), so larger steps need no more graph memory than the logits of one step.
+
+The host's inputs (anchors, positions, caps, the budget, block tables) travel in one int64 copy (`verify_layout`)
+and the corrections of the confidences in one float copy; the drafts and confidences stay on the device. On CPU
 the same static path runs eagerly: that is what the CPU tests compare with the dynamic path.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
@@ -17,67 +24,92 @@ from torch import Tensor
 
 from dspark_serve.kernels.attention import AttentionMetadata
 
-from ..kv_cache import slots_of
-from ..rejection import verify_greedy
-from .buckets import MAX_GRAPH_TOKENS, WARM_CONTEXT, GraphBuckets, bucket
+from ..draft_split import split_budget
+from ..rejection import pack_accept, verify_greedy_ids
+from .buckets import WARM_CONTEXT, GraphBuckets, bucket, token_buckets
 from .capture import capture_on_padding, device_ms
 from .staging import Layout, Staging
 from .target_runner import TargetRunner
 
 
 @lru_cache(maxsize=None)
-def step_layout(q: int, b: int, w: int) -> Layout:
-    """A (query_len q, batch b, block-table width w) step's inputs."""
-    return Layout(ids=b * q, positions=b * q, slots=b * q, seq_lens=b, num_drafts=b, block_table=b * w)
+def verify_layout(b: int, w: int) -> Layout:
+    """A verify step's host inputs: b rows over block tables of width w."""
+    return Layout(anchors=b, starts=b, caps=b, pinned=b, budget=1, block_table=b * w)
+
+
+@lru_cache(maxsize=None)
+def verify_floats(b: int, n: int) -> Layout:
+    """Its float inputs: the online correction of each draft slot's confidence, the confidence thresholds."""
+    return Layout(ratios=b * n, thresholds=b)
+
+
+@dataclass(frozen=True)
+class StaticVerify:
+    """One verify step's outputs, for its first R rows (valid until the next replay, except the copies)."""
+
+    packed: Tensor  # [R, 2 + N + 1] int64: drafts verified, accepted, output tokens (rejection.pack_accept), a copy
+    feats: Tensor | None  # [R, 1 + N, F] features of each row's anchor and drafts (past its length: padding), a copy
+    hidden: Tensor  # [R, 1 + N, H] final-normed hidden of the same positions
 
 
 class TargetGraphs:
-    """Static-shape decode/verify for a target and its paged cache; `capture` records CUDA graphs lazily."""
+    """Static-shape verify steps for a target and its paged cache; `capture` records CUDA graphs lazily."""
 
-    def __init__(self, runner: TargetRunner, cache: Tensor, block_size: int, trash_slot: int,
-                 query_lens: tuple[int, ...], max_model_len: int, capture_layers: tuple[int, ...] = (),
+    def __init__(self, runner: TargetRunner, cache: Tensor, block_size: int, trash_slot: int, num_drafts: int,
+                 max_model_len: int, capture_layers: tuple[int, ...] = (), survival_floor: float = 0.0,
                  buckets: GraphBuckets = GraphBuckets(), capture: bool | None = None) -> None:
         self.runner, self.cache, self.block_size, self.trash = runner, cache, block_size, trash_slot
-        self.capture_layers, self.query_lens = capture_layers, tuple(sorted(set(query_lens)))
+        self.n, self.capture_layers, self.survival_floor = num_drafts, capture_layers, survival_floor
         self.device = cache.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         top = -(-max_model_len // block_size) * block_size
         self.buckets = GraphBuckets(buckets.batch, tuple(c for c in buckets.context if c < top) + (top,))
-        b, q = max(self.buckets.batch), max(self.query_lens)
-        self.staging = Staging(step_layout(q, b, top // block_size).size, torch.int64, self.device)
-        self.dev = self.staging.dev
+        b = max(self.buckets.batch)
+        self.ints = Staging(verify_layout(b, top // block_size).size, torch.int64, self.device)
+        self.floats = Staging(verify_floats(b, max(num_drafts, 1)).size, torch.float32, self.device)
+        self.drafts = torch.zeros(b, max(num_drafts, 1), dtype=torch.int64, device=self.device)
+        self.conf = torch.ones(b, max(num_drafts, 1), dtype=torch.float32, device=self.device)
         self._runners: dict[tuple[int, int, int], Callable[[], tuple[Tensor, Tensor | None, Tensor]]] = {}
         self._pool = None
 
-    def shape_for(self, starts: list[int], lens: list[int]) -> tuple[int, int, int] | None:
-        """(query_len, batch, context) bucket of a step, or None when it fits none (a prefill, say)."""
-        q = bucket(max(lens), self.query_lens)
-        b = bucket(len(lens), self.buckets.batch)
-        if q is None or b is None or b * q > MAX_GRAPH_TOKENS:
+    def token_sizes(self, b: int) -> list[int]:
+        return token_buckets(b, self.n)
+
+    def shape_for(self, num_reqs: int, num_tokens: int, max_start: int) -> tuple[int, int, int] | None:
+        """(batch, tokens, context) bucket of a step of num_reqs rows and at most num_tokens tokens whose furthest
+        row starts at max_start; None when it fits none."""
+        b = bucket(num_reqs, self.buckets.batch)
+        if b is None:
             return None
-        c = bucket(max(starts) + q, self.buckets.context)
-        return None if c is None else (q, b, c)
+        t = bucket(max(num_tokens, b), tuple(self.token_sizes(b)))
+        c = bucket(max_start + 1 + self.n, self.buckets.context)
+        return None if t is None or c is None else (b, t, c)
 
     @torch.inference_mode()
-    def run(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]],
-            shape: tuple[int, int, int], drafts: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
-        """-> logits [R, q, V] fp32 (rows past len(tokens[r]) are padding; valid until the next run), features
-        [R, q, F] (an owned copy) and greedy verification of tokens[r][1:] in the graph: [R, 1 + q] int64, the
-        accepted count then the output tokens (rejection.verify_greedy, -1 padded). With `drafts` [R, N] on the
-        device, tokens[r][1:] are placeholders and the drafts are copied in on the device, so they never visit
-        the host."""
-        q, b, c = shape
-        self.staging.upload(self._layout(block_tables, starts, tokens, q, b, c))
-        if drafts is not None and q > 1:
-            k = min(q - 1, drafts.shape[1])
-            step_layout(q, b, c // self.block_size).view(self.dev, "ids").view(b, q)[:len(tokens), 1:1 + k].copy_(
-                drafts[:, :k])
+    def verify(self, block_tables: list[list[int]], starts: list[int], anchors: list[int], caps: list[int],
+               pinned: list[bool], budget: int, ratios: list[list[float]], thresholds: list[float],
+               drafts: Tensor | None, conf: Tensor | None, shape: tuple[int, int, int]) -> StaticVerify:
+        """Each row's anchor (at starts[r]) and a prefix of its drafts (drafts [R, N] on the device, conf [R, N]
+        the drafter's c_k or None), at most caps[r] of them and `budget` in all, through the bucket's graph."""
+        b, t, c = shape
+        r, n = len(anchors), self.n
+        w = c // self.block_size
+        self.ints.upload(self._layout(block_tables, starts, anchors, caps, pinned, budget, b, w))
+        if n:
+            self.floats.upload(verify_floats(b, n).pack(
+                ratios=[x for row in ratios for x in row] + [1.0] * ((b - r) * n),
+                thresholds=list(thresholds) + [0.0] * (b - r)))
+            if drafts is not None:
+                self.drafts[:r, :n].copy_(drafts[:, :n])
+            if conf is not None:
+                self.conf[:r, :n].copy_(conf[:, :n])
+            else:
+                self.conf[:r, :n].fill_(1.0)
         if shape not in self._runners:
-            self._runners[shape] = self._build(q, b, c)
-        logits, feats, accept = self._runners[shape]()
-        r = len(tokens)
-        return logits.view(b, q, -1)[:r], feats.view(b, q, -1)[:r].clone() if feats is not None else None, \
-            accept[:r].clone()
+            self._runners[shape] = self._build(b, t, c)
+        packed, feats, hidden = self._runners[shape]()
+        return StaticVerify(packed[:r].clone(), feats[:r].clone() if feats is not None else None, hidden[:r])
 
     @property
     def num_recorded(self) -> int:
@@ -86,12 +118,12 @@ class TargetGraphs:
 
     @torch.inference_mode()
     def warm_up(self, max_batch: int = 1) -> int:
-        """Record now, on padding, the graphs of every batch bucket up to max_batch's for every query length and
-        context bucket, so that no request waits for one; -> how many were recorded (0 when not capturing)."""
+        """Record now, on padding, the graphs of every batch bucket up to max_batch's, for every token size and
+        context bucket (above WARM_CONTEXT batch 1 only), so that no request waits for one; -> how many."""
         top = bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
-        shapes = [(q, b, c) for b in self.buckets.batch if b <= top for q in self.query_lens
+        shapes = [(b, t, c) for b in self.buckets.batch if b <= top for t in self.token_sizes(b)
                   for c in self.buckets.context if b == 1 or c <= WARM_CONTEXT
-                  if self.capture and b * q <= MAX_GRAPH_TOKENS and (q, b, c) not in self._runners]
+                  if self.capture and (b, t, c) not in self._runners]
         for shape in shapes:
             self._runners[shape] = self._build(*shape)
         return len(shapes)
@@ -102,47 +134,63 @@ class TargetGraphs:
         top = bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
         c = self.buckets.context[0]
         out: dict[int, list[tuple[int, float]]] = {}
-        for (q, b, cc), run in sorted(self._runners.items()):
+        for (b, t, cc), run in sorted(self._runners.items()):
             if cc == c and b <= top:
-                self.staging.upload(self._layout([], [], [], q, b, c))
-                out.setdefault(b, []).append((b * q, device_ms(run, reps)))
+                self._pad(b, c)
+                out.setdefault(b, []).append((t, device_ms(run, reps)))
         return out
 
-    def _layout(self, block_tables: list[list[int]], starts: list[int], tokens: list[list[int]], q: int, b: int,
-                c: int) -> list[int]:
-        """The step's inputs in step_layout, padded."""
-        bs, w = self.block_size, c // self.block_size
-        ids, pos, slots, seq, table = [0] * (b * q), [0] * (b * q), [self.trash] * (b * q), [1] * b, [0] * (b * w)
-        drafts = [0] * b
-        for r, (blocks, start, toks) in enumerate(zip(block_tables, starts, tokens)):
-            n, o = len(toks), r * q
-            ids[o:o + n] = toks
-            pos[o:o + q] = range(start, start + q)
-            slots[o:o + n] = slots_of(blocks, start, n, bs)
-            seq[r], drafts[r] = start + q, n - 1
-            table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
-        return step_layout(q, b, w).pack(ids=ids, positions=pos, slots=slots, seq_lens=seq, num_drafts=drafts,
-                                         block_table=table)
+    def _pad(self, b: int, c: int) -> None:
+        self.ints.upload(self._layout([], [], [], [], [], 0, b, c // self.block_size))
+        if self.n:
+            self.floats.upload(verify_floats(b, self.n).pack(ratios=[1.0] * (b * self.n), thresholds=[0.0] * b))
 
-    def _build(self, q: int, b: int, c: int) -> Callable[[], tuple[Tensor, Tensor | None, Tensor]]:
-        w = c // self.block_size
-        layout = step_layout(q, b, w)
-        v = layout.views(self.dev)
-        ids = v["ids"]
-        meta = AttentionMetadata(cu_seqlens_q=torch.arange(b + 1, device=self.device) * q,
-                                 seq_lens=v["seq_lens"], slot_mapping=v["slots"],
-                                 block_table=v["block_table"].view(b, w), max_query_len=q,
-                                 max_seq_len=c, causal=True, all_slots_valid=True)
+    def _layout(self, block_tables: list[list[int]], starts: list[int], anchors: list[int], caps: list[int],
+                pinned: list[bool], budget: int, b: int, w: int) -> list[int]:
+        pad = b - len(anchors)
+        table = [0] * (b * w)
+        for r, blocks in enumerate(block_tables):
+            table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
+        return verify_layout(b, w).pack(anchors=list(anchors) + [0] * pad, starts=list(starts) + [0] * pad,
+                                        caps=list(caps) + [-1] * pad, pinned=[int(p) for p in pinned] + [0] * pad,
+                                        budget=[budget], block_table=table)
+
+    def _build(self, b: int, t: int, c: int) -> Callable[[], tuple[Tensor, Tensor | None, Tensor]]:
+        n, bs, w, dev = self.n, self.block_size, c // self.block_size, self.device
+        v = verify_layout(b, w).views(self.ints.dev)
+        f = verify_floats(b, max(n, 1)).views(self.floats.dev) if n else None
+        table = v["block_table"].view(b, w)
+        drafts, conf = self.drafts[:b, :n], self.conf[:b, :n]
+        col = torch.arange(1 + n, device=dev)
+        tok = torch.arange(t, device=dev)
 
         def forward() -> tuple[Tensor, Tensor | None, Tensor]:
-            hidden, feats = self.runner.forward(ids, v["positions"], meta, self.cache,
-                                                capture_layers=self.capture_layers)
-            logits = self.runner.compute_logits(hidden)
-            greedy = verify_greedy(ids.view(b, q)[:, 1:], v["num_drafts"], logits.view(b, q, -1))
-            return logits, feats, torch.cat([greedy.num_accepted[:, None], greedy.output_tokens], 1)
+            caps, live = v["caps"], v["caps"] >= 0  # padding rows have caps -1
+            if n:
+                num = split_budget(conf, f["ratios"].view(b, n), caps.clamp(min=0), v["pinned"].bool(), v["budget"][0],
+                                   f["thresholds"], self.survival_floor)  # [b]
+            else:
+                num = torch.zeros(b, dtype=torch.int64, device=dev)
+            lens = torch.where(live, 1 + num, 0)  # [b]
+            cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])  # [b + 1]
+            row = torch.searchsorted(cu[1:], tok, right=True).clamp(max=b - 1)  # [t]
+            j = tok - cu[row]
+            real = tok < cu[-1]
+            ids = v["anchors"][row]
+            if n:
+                ids = torch.where(j > 0, drafts[row, (j - 1).clamp(0, n - 1)], ids)
+            ids = torch.where(real, ids, 0)
+            pos = torch.where(real, v["starts"][row] + j, 0)
+            slots = torch.where(real, table[row, pos // bs] * bs + pos % bs, self.trash)
+            meta = AttentionMetadata(cu_seqlens_q=cu, seq_lens=v["starts"] + lens, slot_mapping=slots, block_table=table,
+                                     max_query_len=1 + n, max_seq_len=c, causal=True, all_slots_valid=True)
+            hidden, feats = self.runner.forward(ids, pos, meta, self.cache, capture_layers=self.capture_layers)
+            target_ids = self.runner.compute_logits(hidden).argmax(-1)  # [t]; the logits die here
+            idx = (cu[:-1, None] + col).clamp(max=t - 1)  # [b, 1 + n]: each row's positions
+            greedy = verify_greedy_ids(drafts if n else ids.new_zeros(b, 0), num, target_ids[idx])
+            return pack_accept(num, greedy), feats[idx] if feats is not None else None, hidden[idx]
         if not self.capture:
             return forward
         replay, self._pool, self.capture = capture_on_padding(
-            forward, self._pool, [self.dev[:layout.size]],
-            lambda: self.staging.upload(self._layout([], [], [], q, b, c)), "")
+            forward, self._pool, [self.ints.dev, self.floats.dev], lambda: self._pad(b, c), "")
         return replay

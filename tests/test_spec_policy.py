@@ -1,0 +1,174 @@
+"""Load-adaptive speculation: the split of a step's budget across rows (a prefix each, by survival rank, pinned
+rows first, never looking at the draft it decides on), the budget that maximises expected tokens per millisecond
+under measured step costs, the online correction of the confidences, and the step-cost tables and their probe."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from engine_pairs import build_pair
+
+from dspark_serve.engine.core.cost_probe import probe_costs
+from dspark_serve.engine.core.policy import SpecPolicy, cap_drafts
+from dspark_serve.engine.core.step_costs import StepCosts
+from dspark_serve.engine.draft_split import split_budget
+from dspark_serve.engine.llm import LLM
+from dspark_serve.engine.request import Request
+from dspark_serve.engine.sampling_params import SamplingParams
+
+
+def _split(conf, caps, budget, pinned=None, ratios=None, thresholds=None, floor=0.0):
+    conf = torch.tensor(conf)
+    r, n = conf.shape
+    return split_budget(conf, torch.ones(r, n) if ratios is None else torch.tensor(ratios), torch.tensor(caps),
+                        torch.tensor(pinned or [False] * r), torch.tensor(budget),
+                        None if thresholds is None else torch.tensor(thresholds), floor).tolist()
+
+
+def test_the_budget_goes_to_the_likeliest_slots_as_prefixes():
+    conf = [[0.9, 0.9, 0.9, 0.9], [0.5, 0.9, 0.9, 0.9], [0.99, 0.2, 0.9, 0.9]]
+    # survivals: .9 .81 .729 .656 | .5 .45 .405 .365 | .99 .198 .178 .16
+    assert _split(conf, [4, 4, 4], 12) == [4, 4, 4]
+    assert _split(conf, [4, 4, 4], 4) == [3, 0, 1]  # .99, .9, .81, .729
+    assert _split(conf, [4, 4, 4], 6) == [4, 1, 1]  # then .656 and .5
+    assert _split(conf, [2, 4, 0], 6) == [2, 4, 0]  # caps bound each row
+    assert _split(conf, [4, 4, 4], 0) == [0, 0, 0]
+
+
+def test_pinned_rows_and_thresholds():
+    conf = [[0.9, 0.9, 0.9], [0.3, 0.3, 0.3]]
+    assert _split(conf, [3, 2], 2, pinned=[False, True]) == [0, 2]  # the pinned slots first
+    assert _split(conf, [3, 3], 6, thresholds=[0.95, 0.0]) == [0, 3]  # DeepSpec's rule per row
+    assert _split(conf, [3, 3], 6, floor=0.5) == [3, 0]  # survival floor on the drafter's own c_k
+
+
+def test_ties_go_to_the_earlier_position_then_the_lower_row():
+    conf = [[1.0, 1.0], [1.0, 1.0]]
+    assert _split(conf, [2, 2], 1) == [1, 0] and _split(conf, [2, 2], 3) == [2, 1]
+
+
+def test_whether_a_slot_is_verified_never_depends_on_its_own_draft():
+    """Slot k's survival reads c_0..c_k; c_{k+1} is the first confidence that depends on draft k. So changing
+    every confidence after position k (as a different draft k would) never changes whether slot k is verified."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        r, n = 3, 5
+        conf = torch.rand(r, n, generator=g)
+        caps = torch.randint(0, n + 1, (r,), generator=g)
+        budget = int(torch.randint(0, r * n + 1, (1,), generator=g))
+        base = split_budget(conf, torch.ones(r, n), caps, torch.zeros(r, dtype=torch.bool), torch.tensor(budget))
+        row, k = int(torch.randint(0, r, (1,), generator=g)), int(torch.randint(0, n - 1, (1,), generator=g))
+        other = conf.clone()
+        other[row, k + 1:] = torch.rand(n - k - 1, generator=g)
+        again = split_budget(other, torch.ones(r, n), caps, torch.zeros(r, dtype=torch.bool), torch.tensor(budget))
+        assert (base[row] > k) == (again[row] > k)
+
+
+def test_step_costs_are_monotone_and_read_as_a_staircase_or_a_line():
+    costs = StepCosts(((1, ((1, 1.0), (8, 1.2))), (8, ((8, 1.1), (16, 1.0), (64, 2.0)))), ((1, 0.3), (8, 0.5)))
+    assert costs.verify_ms(8, 8) == pytest.approx(1.2)  # made monotone: no less than batch 1 at 8 tokens
+    assert costs.verify_ms(8, 16) == pytest.approx(1.2)  # and 16 tokens cost what 8 do
+    assert costs.verify_ms(4, 10) == pytest.approx(1.2)  # batch 4 takes bucket 8, tokens 10 pad to 16
+    assert costs.verify_ms(4, 17) == pytest.approx(2.0)
+    assert costs.verify_ms(1, 4) == pytest.approx(1.2) and costs.draft_ms(2) == pytest.approx(0.5)
+    assert costs.token_steps(8, 40) == [8, 16, 40]
+    line = StepCosts.linear(1.0, 0.5, 0.2, 0.1)
+    assert line.verify_ms(3, 10) == pytest.approx(6.0) and line.draft_ms(4) == pytest.approx(0.6)
+    assert StepCosts.from_dict(costs.to_dict()) == costs
+
+
+def _reqs(n):
+    return [Request(f"r{i}", [1], SamplingParams(max_tokens=99), 0, 4) for i in range(n)]
+
+
+def test_the_budget_maximises_tokens_per_millisecond():
+    reqs = _reqs(4)
+    caps, pinned = [4] * 4, [False] * 4
+    view = SpecPolicy(4, True, costs=StepCosts.linear(1.0, 0.0, 0.1, 0.0)).view(reqs)
+    assert view.budget(reqs, caps, pinned) == 16  # verifying is free: every slot
+    view = SpecPolicy(4, True, costs=StepCosts.linear(1.0, 0.0, 50.0, 0.0)).view(reqs)
+    assert view.budget(reqs, caps, pinned) == 0  # the draft costs more than it can bring: plain decoding
+    view = SpecPolicy(4, True, costs=StepCosts.linear(4.0, 0.5, 0.0, 0.0)).view(reqs)
+    b = view.budget(reqs, caps, pinned)
+    # by hand: survivals .6^k (the prior), a slot pays while its survival beats rate * 0.5 ms
+    s = sorted((0.6 ** (k + 1) for _ in range(4) for k in range(4)), reverse=True)
+    rate = lambda m: (4 + sum(s[:m])) / (4.0 + 0.5 * (4 + m))  # noqa: E731
+    assert b == max(range(17), key=rate) and 0 < b < 16
+    assert view.budget(reqs, [4, 4, 4, 0], [False, False, False, True]) <= 12
+    off = SpecPolicy(4, True, enabled=False, costs=StepCosts.linear(1.0, 0.5, 0.0, 0.0)).view(reqs)
+    assert off.budget(reqs, caps, pinned) == 16
+
+
+def test_the_online_correction_follows_what_is_accepted():
+    """A drafter whose head says 0.9 but whose drafts are accepted half the time: its corrected survivals fall
+    towards .5^k; without a head the estimate alone does; a forgotten request takes the server-wide prior."""
+    reqs = _reqs(2)
+    policy = SpecPolicy(3, True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        accepted = 0
+        while accepted < 3 and torch.rand(1, generator=g).item() < 0.5:
+            accepted += 1
+        policy.observe(reqs[0], 3, accepted, [0.9, 0.9, 0.9])
+    view = policy.view(reqs)
+    assert view.ratios[reqs[0]][0] == pytest.approx(0.5 / 0.9, abs=0.12)
+    assert view.survival[reqs[0]][0] == pytest.approx(0.5, abs=0.1)
+    assert view.ratios[reqs[1]][0] == pytest.approx(0.5 / 0.9, abs=0.12)  # the server-wide estimate as prior
+    plain = SpecPolicy(3, False)
+    for _ in range(200):
+        plain.observe(reqs[0], 3, 3, None)
+    assert plain.view(reqs).survival[reqs[0]][2] > 0.9
+    assert cap_drafts(7, 4, 3) == 2 and cap_drafts(0, 4, 9) == 0
+
+
+def test_the_policy_explores_after_steps_without_a_draft():
+    reqs = _reqs(2)
+    policy = SpecPolicy(4, True, costs=StepCosts.linear(1.0, 0.0, 50.0, 0.0))
+    assert policy.view(reqs).budget(reqs, [4, 4], [False, False]) == 0
+    for _ in range(16):
+        policy.stepped(drafted=False)
+    assert policy.view(reqs).budget(reqs, [4, 4], [False, False]) > 0
+
+
+def test_the_probe_measures_a_monotone_table_on_cpu():
+    target, draft = build_pair(seed=3)
+    llm = LLM(target, draft, {}, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=8,
+              step_costs=StepCosts.linear(1, 0, 0, 0))
+    costs = probe_costs(llm.target, llm.draft, 8, reps=1)
+    assert not costs.staircase and [b for b, _ in costs.verify] == [1, 8]
+    assert costs.verify_ms(8, 40) >= costs.verify_ms(8, 8) > 0 and costs.draft_ms(8) >= costs.draft_ms(1) > 0
+    assert llm.kv.all_free()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_greedy_equals_plain_for_any_lengths_changing_every_step(static, monkeypatch):
+    """Greedy speculative output equals plain greedy output whatever number of drafts each row verifies, changing
+    every step (random budgets, caps and pins), on the dynamic path and on the varlen static path."""
+    from dspark_serve.engine.core.scheduler import Scheduler
+    from dspark_serve.engine.reference import greedy_generate
+
+    target, draft = build_pair(seed=9, agree=0.01, block_size=6, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    plan_decode = Scheduler._plan_decode
+
+    def shuffled(self, budget):
+        plan = plan_decode(self, budget)
+        if plan is not None:
+            caps = [int(torch.randint(0, c + 1, (1,), generator=g)) for c in plan.caps]
+            pinned = [bool(torch.rand(1, generator=g) < 0.3) for _ in caps]
+            plan = type(plan)(plan.reqs, caps, pinned, int(torch.randint(0, sum(caps) + 1, (1,), generator=g)),
+                              plan.view)
+        return plan
+    monkeypatch.setattr(Scheduler, "_plan_decode", shuffled)
+    llm = LLM(target, draft, {}, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=5,
+              enforce_eager=not static)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (3, 11, 7, 20, 5, 9)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == greedy_generate(target, p, 24)
+    lens = [k for o in outs for k in o.stats["verified_per_step"]]
+    assert len(set(lens)) >= 4 and sum(o.stats["accepted"] for o in outs) > 0
+    if static:
+        assert any(t < b * 7 for b, t, _ in llm.target.graphs._runners)  # steps shorter than every row at full
