@@ -101,6 +101,16 @@ def blocks_of(side, _pools={}):
     return _pools[id(side)][1]
 
 
+def verify_step(side: TargetSide, reqs: list, drafts: int):
+    """One verify step of every row's anchor and `drafts` drafts (plain decoding: 0), all verified."""
+    from dspark_serve.engine.draft_split import DraftSlots
+
+    n = side.graphs.n if side.graphs is not None else 7
+    slots = DraftSlots([drafts] * len(reqs), [False] * len(reqs), drafts * len(reqs), [[1.0] * n] * len(reqs),
+                       [0.0] * len(reqs))
+    return side.verify(reqs, slots, torch.full((len(reqs), n), 5, device=side.device) if drafts else None, None)
+
+
 def parse_dispatch(spec: str) -> KernelConfig:
     """"PDL=1,DENSE_GEMV=0" -> the installed KernelConfig with those fields (names case-insensitive)."""
     items = {}
@@ -132,13 +142,13 @@ def bench_target(name: str, batches: list[int], context: int, device: str, dtype
             kernel_config.install(parse_dispatch(variant))
         side = TargetSide(model, need, BLOCK)
         if static:
-            side.use_static_shapes((1, 8), max_model_len=context + 64)
+            side.use_static_shapes(7, max_model_len=context + 64)
         for batch in batches:
             reqs = requests(batch, context, 7)
             for r in reqs:
                 r.target_blocks = blocks_of(side).allocate(context + 16)
-            plain = time_ms(lambda: side.run(reqs, [[5]] * batch, last_only=False), device, iters)
-            verify = time_ms(lambda: side.run(reqs, [[5] * 8] * batch, last_only=False), device, iters)
+            plain = time_ms(lambda: verify_step(side, reqs, 0), device, iters)
+            verify = time_ms(lambda: verify_step(side, reqs, 7), device, iters)
             for r in reqs:
                 blocks_of(side).free(r.target_blocks)
             rows.append({"model": name, "graphs": static, "batch": batch, "context": context, "plain_ms": plain,
@@ -236,11 +246,11 @@ def kernel_table(name: str, context: int, device: str, dtype: torch.dtype, top: 
     """The batch-1 target step over `tokens` new tokens (1: plain, 8: verify 1 + 7), per kernel."""
     model = random_module(lambda: QwenForCausalLM(target_config(name, dtype)), device, dtype).eval()
     side = TargetSide(model, -(-(context + 16) // BLOCK) + 1, BLOCK)
-    side.use_static_shapes((1,), max_model_len=context + 64)
+    side.use_static_shapes(tokens - 1, max_model_len=context + 64)
     reqs = requests(1, context, 7)
     reqs[0].target_blocks = blocks_of(side).allocate(context + 16)
     step = "plain" if tokens == 1 else f"{tokens}-token"
-    return profile_table(f"{name} {step} step, batch 1", lambda: side.run(reqs, [[5] * tokens], last_only=False),
+    return profile_table(f"{name} {step} step, batch 1", lambda: verify_step(side, reqs, tokens - 1),
                          device, top)
 
 

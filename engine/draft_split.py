@@ -55,6 +55,16 @@ class DraftSlots:
         """Whether the split must read the confidences: the budget binds, or a threshold rule is on."""
         return self.budget < sum(self.caps) or self.survival_floor > 0 or any(t > 0 for t in self.thresholds)
 
+    def known_lengths(self) -> list[int] | None:
+        """The drafts each row verifies when they follow without the confidences (else None)."""
+        if self.budget <= 0 or not any(self.caps):
+            return [0] * len(self.caps)
+        if not self.binds:
+            return list(self.caps)
+        if len(self.caps) == 1 and self.survival_floor <= 0 and self.thresholds[0] <= 0:
+            return [min(self.caps[0], self.budget)]
+        return None
+
     def split_on_host(self, conf: Tensor | None) -> list[int]:
         """split_budget on the host (conf [R, N] read there: a sync when it lives on a GPU)."""
         if self.budget <= 0 or not any(self.caps):

@@ -79,7 +79,7 @@ class TargetSide:
         shape = g.shape_for(len(reqs), len(reqs) + slots.budget, max(starts)) if g is not None else None
         if shape is not None:
             out = g.verify([r.target_blocks for r in reqs], starts, anchors, slots.caps, slots.pinned, slots.budget,
-                           slots.ratios, slots.thresholds, drafts, conf, shape)
+                           slots.ratios, slots.thresholds, drafts, conf, shape, slots.known_lengths())
             hidden = out.hidden
             return Verified(out.packed, out.feats, g.n,
                             lambda rows: self.runner.compute_logits(hidden[rows].flatten(0, 1)).view(

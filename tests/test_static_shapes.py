@@ -43,7 +43,7 @@ def test_static_path_outputs_equal_dynamic_path(temperature, with_draft):
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
     shapes = set(static.target.graphs._runners)
     # both batch buckets; the long prompt's context bucket
-    assert {(4, 256), (8, 512)} <= {(b, c) for b, _, c in shapes}, shapes
+    assert {(4, 256), (8, 512)} <= {(b, c) for b, _, c, _ in shapes}, shapes
     if with_draft:
         assert sum(o.stats["accepted"] for o in got) > 0
         assert {(4, 256), (8, 512)} <= {k[:2] for k in static.draft.graphs._runners}
@@ -232,8 +232,8 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
     side.use_static_shapes(3, max_model_len=300, capture=True)
     dside.use_static_shapes(max_model_len=300, capture=True)
     side.prompts.max_work = 96 * side.prompts.layer_weights  # one prompt of <= 96 tokens
-    assert side.warm_up() == 4 * 2 + 4 and dside.warm_up() == 2 * 2 and len(pools) == 16
-    assert set(side.graphs._runners) == {(1, t, c) for t in (1, 2, 3, 4) for c in (256, 304)}
+    assert side.warm_up() == 3 * 2 + 4 and dside.warm_up() == 2 * 2 and len(pools) == 14
+    assert set(side.graphs._runners) == {(1, t, c, False) for t in (1, 2, 4) for c in (256, 304)}
     assert set(side.prompts._runners) == {32, 48, 64, 96}  # of the buckets up to 384
     assert set(dside.graphs._runners) == {(1, c, q) for c in dside.graphs.buckets.context for q in (False, True)}
     assert side.warm_up() == 0 and dside.warm_up() == 0  # nothing left to record
@@ -251,7 +251,7 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
                          features=prefill[1][0], block_table=torch.tensor([table]),
                          temperature=torch.tensor([0.8]), seeds=torch.tensor([5]))
         outs.append((prefill[0], verify, ds.propose(inp)))
-    assert len(pools) == 16  # the requests replayed what warm-up recorded
+    assert len(pools) == 14  # the requests replayed what warm-up recorded
     (pa, va, da), (pb, vb, db) = outs
     torch.testing.assert_close(pb, pa, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(vb, va, atol=1e-5, rtol=1e-5)
@@ -310,7 +310,8 @@ def test_warm_up_records_every_batch_bucket_up_to_a_context(monkeypatch):
     side.graphs.warm_up(3), dside.graphs.warm_up(3)
     contexts = side.graphs.buckets.context
     assert contexts[0] == 256 and len(contexts) > 1
-    assert set(side.graphs._runners) == {(b, t, c) for b in (1, 2, 4) for t in token_buckets(b, 3) for c in contexts
-                                         if b == 1 or c == 256}
+    assert set(side.graphs._runners) == {(b, t, c, split) for b in (1, 2, 4) for t in token_buckets(b, 3)
+                                         for c in contexts if b == 1 or c == 256
+                                         for split in ((False, True) if b > 1 else (False,))}
     assert set(dside.graphs._runners) == {(b, c, q) for b in (1, 2, 4) for c in dside.graphs.buckets.context
                                           for q in (False, True) if b == 1 or c == 256}

@@ -21,7 +21,7 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
 
 
 def token_buckets(b: int, num_drafts: int) -> list[int]:
-    """The token sizes of a verify step of batch bucket b: b rows times 1, 2, 3, 4, 6, ... up to 1 + num_drafts
-    tokens each (a step pads up to the next)."""
-    per_row = sorted({q for q in (1, 2, 3, 4, 6, 8, 12, 16) if q <= 1 + num_drafts} | {1 + num_drafts})
+    """The token sizes of a verify step of batch bucket b: b rows times 1, 2, 4 and 1 + num_drafts tokens each (a
+    step pads up to the next)."""
+    per_row = sorted({q for q in (1, 2, 4) if q <= 1 + num_drafts} | {1 + num_drafts})
     return [b * q for q in per_row]

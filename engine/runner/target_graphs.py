@@ -33,9 +33,13 @@ from .target_runner import TargetRunner
 
 
 @lru_cache(maxsize=None)
-def verify_layout(b: int, w: int) -> Layout:
-    """A verify step's host inputs: b rows over block tables of width w."""
-    return Layout(anchors=b, starts=b, caps=b, pinned=b, budget=1, block_table=b * w)
+def verify_layout(b: int, t: int, n: int, w: int) -> Layout:
+    """A verify step's host inputs: b rows of at most 1 + n tokens, t in all, over block tables of width w. With
+    the split on the device, the rows' caps, pins and the budget; with it on the host (each row's length known),
+    the token layout itself: each token's source (its row's anchor, or a draft), position and cache slot, the rows'
+    query offsets, lengths and verified drafts, and where each row's positions sit among the tokens."""
+    return Layout(anchors=b, starts=b, caps=b, pinned=b, budget=1, src=t, positions=t, slots=t, cu=b + 1,
+                  seq_lens=b, num=b, idx=b * (1 + n), block_table=b * w)
 
 
 @lru_cache(maxsize=None)
@@ -66,7 +70,8 @@ class TargetGraphs:
         top = -(-max_model_len // block_size) * block_size
         self.buckets = GraphBuckets(buckets.batch, tuple(c for c in buckets.context if c < top) + (top,))
         b = max(self.buckets.batch)
-        self.ints = Staging(verify_layout(b, top // block_size).size, torch.int64, self.device)
+        self.ints = Staging(verify_layout(b, b * (1 + num_drafts), num_drafts, top // block_size).size, torch.int64,
+                            self.device)
         self.floats = Staging(verify_floats(b, max(num_drafts, 1)).size, torch.float32, self.device)
         self.drafts = torch.zeros(b, max(num_drafts, 1), dtype=torch.int64, device=self.device)
         self.conf = torch.ones(b, max(num_drafts, 1), dtype=torch.float32, device=self.device)
@@ -89,14 +94,17 @@ class TargetGraphs:
     @torch.inference_mode()
     def verify(self, block_tables: list[list[int]], starts: list[int], anchors: list[int], caps: list[int],
                pinned: list[bool], budget: int, ratios: list[list[float]], thresholds: list[float],
-               drafts: Tensor | None, conf: Tensor | None, shape: tuple[int, int, int]) -> StaticVerify:
+               drafts: Tensor | None, conf: Tensor | None, shape: tuple[int, int, int],
+               lengths: list[int] | None = None) -> StaticVerify:
         """Each row's anchor (at starts[r]) and a prefix of its drafts (drafts [R, N] on the device, conf [R, N]
-        the drafter's c_k or None), at most caps[r] of them and `budget` in all, through the bucket's graph."""
+        the drafter's c_k or None), at most caps[r] of them and `budget` in all, through the bucket's graph.
+        `lengths` (drafts each row verifies, when the host knows them) takes the graph that does not split."""
         b, t, c = shape
         r, n = len(anchors), self.n
         w = c // self.block_size
-        self.ints.upload(self._layout(block_tables, starts, anchors, caps, pinned, budget, b, w))
-        if n:
+        self.ints.upload(self._layout(block_tables, starts, anchors, caps, pinned, budget, b, t, w, lengths))
+        key = (b, t, c, lengths is None)
+        if n and lengths is None:
             self.floats.upload(verify_floats(b, n).pack(
                 ratios=[x for row in ratios for x in row] + [1.0] * ((b - r) * n),
                 thresholds=list(thresholds) + [0.0] * (b - r)))
@@ -106,9 +114,11 @@ class TargetGraphs:
                 self.conf[:r, :n].copy_(conf[:, :n])
             else:
                 self.conf[:r, :n].fill_(1.0)
-        if shape not in self._runners:
-            self._runners[shape] = self._build(b, t, c)
-        packed, feats, hidden = self._runners[shape]()
+        elif n and drafts is not None:
+            self.drafts[:r, :n].copy_(drafts[:, :n])
+        if key not in self._runners:
+            self._runners[key] = self._build(*key)
+        packed, feats, hidden = self._runners[key]()
         return StaticVerify(packed[:r].clone(), feats[:r].clone() if feats is not None else None, hidden[:r])
 
     @property
@@ -119,11 +129,13 @@ class TargetGraphs:
     @torch.inference_mode()
     def warm_up(self, max_batch: int = 1) -> int:
         """Record now, on padding, the graphs of every batch bucket up to max_batch's, for every token size and
-        context bucket (above WARM_CONTEXT batch 1 only), so that no request waits for one; -> how many."""
+        context bucket (above WARM_CONTEXT batch 1 only), so that no request waits for one: with the split on the
+        host, and on the device for batches of several rows (one row's split is known on the host); -> how many."""
         top = bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
-        shapes = [(b, t, c) for b in self.buckets.batch if b <= top for t in self.token_sizes(b)
+        shapes = [(b, t, c, split) for b in self.buckets.batch if b <= top for t in self.token_sizes(b)
                   for c in self.buckets.context if b == 1 or c <= WARM_CONTEXT
-                  if self.capture and (b, t, c) not in self._runners]
+                  for split in ((False, True) if b > 1 and self.n else (False,))
+                  if self.capture and (b, t, c, split) not in self._runners]
         for shape in shapes:
             self._runners[shape] = self._build(*shape)
         return len(shapes)
@@ -134,63 +146,84 @@ class TargetGraphs:
         top = bucket(max_batch, self.buckets.batch) or self.buckets.batch[-1]
         c = self.buckets.context[0]
         out: dict[int, list[tuple[int, float]]] = {}
-        for (b, t, cc), run in sorted(self._runners.items()):
-            if cc == c and b <= top:
-                self._pad(b, c)
+        for (b, t, cc, split), run in sorted(self._runners.items()):
+            if cc == c and b <= top and not split:
+                self._pad(b, t, c)
                 out.setdefault(b, []).append((t, device_ms(run, reps)))
         return out
 
-    def _pad(self, b: int, c: int) -> None:
-        self.ints.upload(self._layout([], [], [], [], [], 0, b, c // self.block_size))
+    def _pad(self, b: int, t: int, c: int) -> None:
+        self.ints.upload(self._layout([], [], [], [], [], 0, b, t, c // self.block_size, []))
         if self.n:
             self.floats.upload(verify_floats(b, self.n).pack(ratios=[1.0] * (b * self.n), thresholds=[0.0] * b))
 
     def _layout(self, block_tables: list[list[int]], starts: list[int], anchors: list[int], caps: list[int],
-                pinned: list[bool], budget: int, b: int, w: int) -> list[int]:
-        pad = b - len(anchors)
+                pinned: list[bool], budget: int, b: int, t: int, w: int, lengths: list[int] | None) -> list[int]:
+        """The step's host inputs, padded; the token layout only when the rows' lengths are known here."""
+        n, bs, pad = self.n, self.block_size, b - len(anchors)
         table = [0] * (b * w)
         for r, blocks in enumerate(block_tables):
             table[r * w:r * w + min(len(blocks), w)] = blocks[:w]
-        return verify_layout(b, w).pack(anchors=list(anchors) + [0] * pad, starts=list(starts) + [0] * pad,
-                                        caps=list(caps) + [-1] * pad, pinned=[int(p) for p in pinned] + [0] * pad,
-                                        budget=[budget], block_table=table)
+        src, pos, slots, idx = [0] * t, [0] * t, [self.trash] * t, [0] * (b * (1 + n))
+        cu, seq, num = [0] * (b + 1), [0] * b, [0] * b
+        if lengths is not None:
+            o = 0
+            for r, (blocks, start, k) in enumerate(zip(block_tables, starts, lengths)):
+                src[o] = r  # the anchor, then drafts (after the b anchors in the graph's source buffer)
+                src[o + 1:o + 1 + k] = range(b + r * n, b + r * n + k)
+                pos[o:o + 1 + k] = range(start, start + 1 + k)
+                slots[o:o + 1 + k] = [blocks[p // bs] * bs + p % bs for p in range(start, start + 1 + k)]
+                idx[r * (1 + n):(r + 1) * (1 + n)] = [min(o + j, t - 1) for j in range(1 + n)]
+                o += 1 + k
+                cu[r + 1], seq[r], num[r] = o, start + 1 + k, k
+            cu[len(anchors) + 1:] = [o] * (b - len(anchors))
+        return verify_layout(b, t, n, w).pack(
+            anchors=list(anchors) + [0] * pad, starts=list(starts) + [0] * pad, caps=list(caps) + [-1] * pad,
+            pinned=[int(p) for p in pinned] + [0] * pad, budget=[budget], src=src, positions=pos, slots=slots,
+            cu=cu, seq_lens=seq, num=num, idx=idx, block_table=table)
 
-    def _build(self, b: int, t: int, c: int) -> Callable[[], tuple[Tensor, Tensor | None, Tensor]]:
-        n, bs, w, dev = self.n, self.block_size, c // self.block_size, self.device
-        v = verify_layout(b, w).views(self.ints.dev)
+    def _build(self, b: int, t: int, c: int, split: bool) -> Callable[[], tuple[Tensor, Tensor | None, Tensor]]:
+        n, w = self.n, c // self.block_size
+        v = verify_layout(b, t, n, w).views(self.ints.dev)
         f = verify_floats(b, max(n, 1)).views(self.floats.dev) if n else None
         table = v["block_table"].view(b, w)
         drafts, conf = self.drafts[:b, :n], self.conf[:b, :n]
-        col = torch.arange(1 + n, device=dev)
-        tok = torch.arange(t, device=dev)
+        layout = self._device_layout(v, f, table, drafts, conf, b, t, c) if split else \
+            lambda: (torch.cat([v["anchors"], drafts.flatten()])[v["src"]], v["positions"], v["slots"], v["cu"],
+                     v["seq_lens"], v["num"], v["idx"].view(b, 1 + n))
 
         def forward() -> tuple[Tensor, Tensor | None, Tensor]:
-            caps, live = v["caps"], v["caps"] >= 0  # padding rows have caps -1
-            if n:
-                num = split_budget(conf, f["ratios"].view(b, n), caps.clamp(min=0), v["pinned"].bool(), v["budget"][0],
-                                   f["thresholds"], self.survival_floor)  # [b]
-            else:
-                num = torch.zeros(b, dtype=torch.int64, device=dev)
-            lens = torch.where(live, 1 + num, 0)  # [b]
-            cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])  # [b + 1]
-            row = torch.searchsorted(cu[1:], tok, right=True).clamp(max=b - 1)  # [t]
-            j = tok - cu[row]
-            real = tok < cu[-1]
-            ids = v["anchors"][row]
-            if n:
-                ids = torch.where(j > 0, drafts[row, (j - 1).clamp(0, n - 1)], ids)
-            ids = torch.where(real, ids, 0)
-            pos = torch.where(real, v["starts"][row] + j, 0)
-            slots = torch.where(real, table[row, pos // bs] * bs + pos % bs, self.trash)
-            meta = AttentionMetadata(cu_seqlens_q=cu, seq_lens=v["starts"] + lens, slot_mapping=slots, block_table=table,
+            ids, pos, slots, cu, seq_lens, num, idx = layout()
+            meta = AttentionMetadata(cu_seqlens_q=cu, seq_lens=seq_lens, slot_mapping=slots, block_table=table,
                                      max_query_len=1 + n, max_seq_len=c, causal=True, all_slots_valid=True)
             hidden, feats = self.runner.forward(ids, pos, meta, self.cache, capture_layers=self.capture_layers)
             target_ids = self.runner.compute_logits(hidden).argmax(-1)  # [t]; the logits die here
-            idx = (cu[:-1, None] + col).clamp(max=t - 1)  # [b, 1 + n]: each row's positions
             greedy = verify_greedy_ids(drafts if n else ids.new_zeros(b, 0), num, target_ids[idx])
             return pack_accept(num, greedy), feats[idx] if feats is not None else None, hidden[idx]
         if not self.capture:
             return forward
         replay, self._pool, self.capture = capture_on_padding(
-            forward, self._pool, [self.ints.dev, self.floats.dev], lambda: self._pad(b, c), "")
+            forward, self._pool, [self.ints.dev, self.floats.dev], lambda: self._pad(b, t, c), "")
         return replay
+
+    def _device_layout(self, v: dict, f: dict, table: Tensor, drafts: Tensor, conf: Tensor, b: int, t: int,
+                       c: int) -> Callable[[], tuple]:
+        """The split of the budget and the token layout it implies, computed on the device."""
+        n, bs, dev = self.n, self.block_size, self.device
+        col, tok = torch.arange(1 + n, device=dev), torch.arange(t, device=dev)
+
+        def layout() -> tuple:
+            caps, live = v["caps"], v["caps"] >= 0  # padding rows have caps -1
+            num = split_budget(conf, f["ratios"].view(b, n), caps.clamp(min=0), v["pinned"].bool(), v["budget"][0],
+                               f["thresholds"], self.survival_floor)  # [b]
+            lens = torch.where(live, 1 + num, 0)  # [b]
+            cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])  # [b + 1]
+            row = torch.searchsorted(cu[1:], tok, right=True).clamp(max=b - 1)  # [t]
+            j = tok - cu[row]
+            real = tok < cu[-1]
+            ids = torch.where(j > 0, drafts[row, (j - 1).clamp(0, n - 1)], v["anchors"][row])
+            pos = torch.where(real, v["starts"][row] + j, 0)
+            slots = torch.where(real, table[row, pos // bs] * bs + pos % bs, self.trash)
+            idx = (cu[:-1, None] + col).clamp(max=t - 1)  # [b, 1 + n]: each row's positions
+            return torch.where(real, ids, 0), pos, slots, cu, v["starts"] + lens, num, idx
+        return layout

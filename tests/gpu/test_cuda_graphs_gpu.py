@@ -54,7 +54,10 @@ def test_warm_up_records_every_batch_bucket():
     recorded = {k: set(v) for k, v in (("target", graphs.target.graphs._runners),
                                        ("prompts", graphs.target.prompts._runners),
                                        ("draft", graphs.draft.graphs._runners))}
-    assert recorded["target"] == {(q, b, c) for q in (1, 7) for b in (1, 2, 4) for c in (256, 512)}
+    from dspark_serve.engine.runner.buckets import token_buckets
+
+    assert recorded["target"] == {(b, t, c, split) for b in (1, 2, 4) for t in token_buckets(b, 6) for c in (256, 512)
+                                  for split in ((False, True) if b > 1 else (False,))}
     assert recorded["prompts"] == {32, 48, 64, 96, 128, 192, 256, 384, 512}
     assert recorded["draft"] == {(b, c, q) for b in (1, 2, 4) for c in graphs.draft.graphs.buckets.context
                                  for q in (False, True)}
