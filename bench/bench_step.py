@@ -71,10 +71,13 @@ def ms_per_step(llm: LLM, prompt: list[int], tokens: int, pauses: list[float] | 
 
 
 @torch.inference_mode()
-def graph_costs(runners: dict, device: str, iters: int = 50) -> dict[str, dict[str, float]]:
-    """Per captured runner: host µs to launch it (no sync in between) and device µs per replay."""
+def graph_costs(runners: dict, device: str, iters: int = 50, pad=None) -> dict[str, dict[str, float]]:
+    """Per captured runner: host µs to launch it (no sync in between) and device µs per replay; `pad(key)` stages a
+    step of padding for the graph first (the verify graphs read index fields that must be their own)."""
     out = {}
     for key, run in runners.items():
+        if pad is not None:
+            pad(key)
         run(), run()
         if device == "cuda":
             torch.cuda.synchronize()
@@ -234,10 +237,12 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = random_target(args.device, dtype)
     draft = load_draft(DEMO_DRAFTER, target=target, dtype=dtype, device=args.device)
-    kw = dict(device=args.device, max_num_seqs=1, num_kv_blocks=64, max_model_len=1024,
+    kw = dict(device=args.device, max_num_seqs=1, num_kv_blocks=72, max_model_len=1024,
               eos_token_ids=(), enforce_eager=False,
               kernel_config=KernelConfig.from_env(args.device))  # DSPARK_<FIELD> for A/B runs
-    plain, spec = LLM(target, None, **kw), LLM(target, draft, args.speculative_config, **kw)
+    spec_config = json.loads(args.speculative_config)
+    spec_config.setdefault("enable_adaptive_verification", False)  # every step verifies the full block (see above)
+    plain, spec = LLM(target, None, **kw), LLM(target, draft, spec_config, **kw)
     prompt = torch.randint(0, 151000, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     result: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                     "torch": torch.__version__, "tokens": args.tokens, "speculative_config": args.speculative_config,
@@ -250,7 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
         ms, steps = ms_per_step(llm, prompt, args.tokens, pauses)
         result[name] = {"ms_per_step": ms, "ms_per_step_without_step_ahead": ms_alone, "steps": steps,
                         "gc_pauses": len(pauses), "gc_ms": 1e3 * sum(pauses),
-                        "target_graphs": graph_costs(llm.target.graphs._runners, args.device)}
+                        "target_graphs": graph_costs(llm.target.graphs._runners, args.device,
+                                                     pad=lambda key: llm.target.graphs.stage_padding(*key[:3]))}
         result[name]["timeline"] = timeline(llm, prompt, args.tokens)
         result[name]["first_steps"] = first_steps(llm, prompt, args.tokens)
         if name == "spec":

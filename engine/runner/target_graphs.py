@@ -148,11 +148,12 @@ class TargetGraphs:
         out: dict[int, list[tuple[int, float]]] = {}
         for (b, t, cc, split), run in sorted(self._runners.items()):
             if cc == c and b <= top and not split:
-                self._pad(b, t, c)
+                self.stage_padding(b, t, c)
                 out.setdefault(b, []).append((t, device_ms(run, reps)))
         return out
 
-    def _pad(self, b: int, t: int, c: int) -> None:
+    def stage_padding(self, b: int, t: int, c: int) -> None:
+        """Stage a step of padding only for graph (b, t, c): a replay then writes the trash slot alone."""
         self.ints.upload(self._layout([], [], [], [], [], 0, b, t, c // self.block_size, []))
         if self.n:
             self.floats.upload(verify_floats(b, self.n).pack(ratios=[1.0] * (b * self.n), thresholds=[0.0] * b))
@@ -188,9 +189,10 @@ class TargetGraphs:
         f = verify_floats(b, max(n, 1)).views(self.floats.dev) if n else None
         table = v["block_table"].view(b, w)
         drafts, conf = self.drafts[:b, :n], self.conf[:b, :n]
+        top = b * (1 + n) - 1  # indices stay in bounds whatever the buffer holds (a replay never reads past it)
         layout = self._device_layout(v, f, table, drafts, conf, b, t, c) if split else \
-            lambda: (torch.cat([v["anchors"], drafts.flatten()])[v["src"]], v["positions"], v["slots"], v["cu"],
-                     v["seq_lens"], v["num"], v["idx"].view(b, 1 + n))
+            lambda: (torch.cat([v["anchors"], drafts.flatten()])[v["src"].clamp(0, top)], v["positions"], v["slots"],
+                     v["cu"], v["seq_lens"], v["num"], v["idx"].view(b, 1 + n).clamp(0, t - 1))
 
         def forward() -> tuple[Tensor, Tensor | None, Tensor]:
             ids, pos, slots, cu, seq_lens, num, idx = layout()
@@ -203,7 +205,7 @@ class TargetGraphs:
         if not self.capture:
             return forward
         replay, self._pool, self.capture = capture_on_padding(
-            forward, self._pool, [self.ints.dev, self.floats.dev], lambda: self._pad(b, t, c), "")
+            forward, self._pool, [self.ints.dev, self.floats.dev], lambda: self.stage_padding(b, t, c), "")
         return replay
 
     def _device_layout(self, v: dict, f: dict, table: Tensor, drafts: Tensor, conf: Tensor, b: int, t: int,
