@@ -60,10 +60,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     num_tokens, num_heads, head_dim = q.shape
     block_size = k_cache.shape[1]
     req, off = _query_layout(meta, num_tokens)
-    real = off < meta.max_query_len  # padding tokens past the last query are dropped
-    if not bool(real.all()):
-        q, req, off = q[real], req[real], off[real]
-    q_pad = q.new_zeros(meta.num_reqs, meta.max_query_len, num_heads, head_dim)  # [R, Q, H, D]
+    width = meta.max_query_len + 1  # a last, spare row takes the padding tokens (no host sync: capturable)
+    off = off.clamp(max=width - 1)
+    q_pad = q.new_zeros(meta.num_reqs, width, num_heads, head_dim)  # [R, Q + 1, H, D]
     q_pad[req, off] = q
     kv_pos = torch.arange(meta.max_seq_len, device=q.device)  # [S]
     blocks = meta.block_table[:, (kv_pos // block_size).clamp(max=meta.block_table.shape[1] - 1)]  # [R, S]
@@ -71,21 +70,16 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attention
     k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [R, S, KV, D]
     v = v_cache.view(-1, *v_cache.shape[2:])[slots]
     q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
-    q_pos = (meta.seq_lens - q_lens)[:, None] + torch.arange(meta.max_query_len, device=q.device)  # [R, Q]
+    q_pos = (meta.seq_lens - q_lens)[:, None] + torch.arange(width, device=q.device)  # [R, Q + 1]
     mask = kv_pos[None, None, :] < meta.seq_lens[:, None, None]  # [R, 1, S]
     if meta.causal:
         mask = mask & (kv_pos[None, None, :] <= q_pos[:, :, None])  # [R, Q, S]
     mask = mask | (kv_pos == 0)  # padded query rows need one visible key; their output is dropped
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-        attn_mask=mask[:, None].expand(-1, 1, meta.max_query_len, -1), scale=scale,
-        enable_gqa=num_heads != k.shape[2])  # [R, H, Q, D]
-    rows = out.transpose(1, 2)[req, off]
-    if rows.shape[0] == num_tokens:
-        return rows
-    full = rows.new_zeros(num_tokens, num_heads, head_dim)
-    full[real] = rows
-    return full
+        attn_mask=mask[:, None].expand(-1, 1, width, -1), scale=scale,
+        enable_gqa=num_heads != k.shape[2])  # [R, H, Q + 1, D]
+    return out.transpose(1, 2)[req, off]
 
 
 def prompt_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:

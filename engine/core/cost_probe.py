@@ -26,9 +26,11 @@ def probe_costs(target: TargetSide, draft: Drafter | None, max_batch: int, reps:
     n = draft.num_speculative_tokens
     graphs = target.graphs
     if graphs is not None and graphs.capture and draft.graphs is not None and draft.graphs.capture:
-        verify = graphs.replay_costs(max_batch, reps)
+        verify, drafted = graphs.replay_costs(max_batch, reps), draft.graphs.replay_costs(max_batch, reps)
+        if not verify or not drafted:  # nothing recorded yet (no warm-up): the policy waits for measurements
+            return None
         return StepCosts(tuple((b, tuple(pts)) for b, pts in sorted(verify.items())),
-                         tuple(draft.graphs.replay_costs(max_batch, reps)), staircase=True)
+                         tuple(drafted), staircase=True)
     verify, drafted = [], []
     for b in sorted({min(b, max_batch) for b in EAGER_BATCHES}):
         reqs = _probe_requests(target, b)
