@@ -111,15 +111,18 @@ def test_the_online_correction_follows_what_is_accepted():
         accepted = 0
         while accepted < 3 and torch.rand(1, generator=g).item() < 0.5:
             accepted += 1
-        policy.observe(reqs[0], 3, accepted, [0.9, 0.9, 0.9])
+        policy.observe(reqs[:1], [3], [accepted], [[0.9, 0.9, 0.9]])
     view = policy.view(reqs)
-    assert view.ratios[reqs[0]][0] == pytest.approx(0.5 / 0.9, abs=0.12)
-    assert view.survival[reqs[0]][0] == pytest.approx(0.5, abs=0.1)
-    assert view.ratios[reqs[1]][0] == pytest.approx(0.5 / 0.9, abs=0.12)  # the server-wide estimate as prior
+    assert view.ratios[0, 0] == pytest.approx(0.5 / 0.9, abs=0.12)
+    assert view.survival[0, 0] == pytest.approx(0.5, abs=0.1)
+    assert view.ratios[1, 0] == pytest.approx(0.5 / 0.9, abs=0.12)  # the server-wide estimate as prior
+    assert view.survival[1, 0] == pytest.approx(0.5, abs=0.1)  # no draft of its own yet: the measured rate
+    policy.forget(reqs[0])
+    assert policy.view(reqs).ratios[0, 0] == pytest.approx(view.ratios[1, 0])
     plain = SpecPolicy(3, False)
     for _ in range(200):
-        plain.observe(reqs[0], 3, 3, None)
-    assert plain.view(reqs).survival[reqs[0]][2] > 0.9
+        plain.observe(reqs[:1], [3], [3], [None])
+    assert plain.view(reqs).survival[0, 2] > 0.9
     assert cap_drafts(7, 4, 3) == 2 and cap_drafts(0, 4, 9) == 0
 
 

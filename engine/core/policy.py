@@ -13,8 +13,10 @@ on slots of other requests, and on the past; never on draft k itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ..draft_split import MAX_COND
 from .step_costs import StepCosts
@@ -34,44 +36,31 @@ def cap_drafts(pinned_or_default: int, max_drafts: int, remaining: int) -> int:
     return max(0, min(pinned_or_default, max_drafts, remaining - 1))
 
 
-@dataclass
-class _Counts:
-    """Per draft position: decayed counts of slots reached (every earlier draft accepted, this one verified),
-    of those accepted, and the sum of their predicted c_k."""
-
-    reached: list[float]
-    accepted: list[float]
-    predicted: list[float]
-
-    @classmethod
-    def prior(cls, n: int, weight: float, accept: float, predicted: float) -> _Counts:
-        return cls([weight] * n, [weight * accept] * n, [weight * predicted] * n)
-
-    def observe(self, verified: int, accepted: int, conf: list[float] | None) -> None:
-        for k in range(min(accepted + 1, verified)):
-            self.reached[k] = self.reached[k] * DECAY + 1.0
-            self.accepted[k] = self.accepted[k] * DECAY + (1.0 if k < accepted else 0.0)
-            self.predicted[k] = self.predicted[k] * DECAY + (conf[k] if conf is not None else 1.0)
-
-
 @dataclass(frozen=True)
 class PolicyView:
     """What the budget of a step is sized from, fixed when it is planned; the executor sizes a step it launches
-    ahead from the same view."""
+    ahead from the same view. Rows of `ratios` and `survival` are the requests of `index`."""
 
     enabled: bool
     num_drafts: int  # N, the draft's block
     costs: StepCosts | None
-    ratios: dict  # Request -> [N] online correction of its c_k
-    survival: dict  # Request -> [N] expected survival of its next slots
-    default_ratio: tuple[float, ...]
-    default_survival: tuple[float, ...]
+    index: dict  # Request -> its row
+    ratios: np.ndarray  # [R, N] online correction of each request's c_k
+    survival: np.ndarray  # [R, N] expected survival of each request's next slots
+    default_ratio: np.ndarray  # [N] for a request the view does not hold
+    default_survival: np.ndarray  # [N]
     max_verify_tokens: int = 0  # > 0: at most this many drafts a step
     token_limit: int = 1 << 30  # tokens a decode step may take (the step's token budget)
     explore: bool = False  # draft even when no draft seems worth its cost (the estimates are stale)
 
+    def _rows(self, table: np.ndarray, default: np.ndarray, reqs: list[Request]) -> np.ndarray:
+        rows = [self.index.get(r, -1) for r in reqs]
+        if rows and min(rows) >= 0:
+            return table[rows]
+        return np.stack([table[i] if i >= 0 else default for i in rows]) if rows else table[:0]
+
     def ratios_for(self, reqs: list[Request]) -> list[list[float]]:
-        return [list(self.ratios.get(r, self.default_ratio)) for r in reqs]
+        return self._rows(self.ratios, self.default_ratio, reqs).tolist()
 
     def budget(self, reqs: list[Request], caps: list[int], pinned: list[bool]) -> int:
         """Draft slots to verify for these rows: every capped slot when the policy is off or nothing is measured,
@@ -83,13 +72,12 @@ class PolicyView:
             limit = min(limit, self.max_verify_tokens)
         if not self.enabled or self.costs is None or total == fixed:
             return min(total, limit)
-        free = sorted((s for r, c, p in zip(reqs, caps, pinned) if not p
-                       for s in self.survival.get(r, self.default_survival)[:c]), reverse=True)
-        gain = [0.0]
-        for s in free:
-            gain.append(gain[-1] + s)
-        fixed_gain = sum(s for r, c, p in zip(reqs, caps, pinned) if p
-                         for s in self.survival.get(r, self.default_survival)[:c])
+        surv = self._rows(self.survival, self.default_survival, reqs)  # [R, N]
+        in_cap = np.arange(self.num_drafts)[None, :] < np.asarray(caps)[:, None]
+        is_pinned = np.asarray(pinned, dtype=bool)[:, None]
+        free = np.sort(surv[in_cap & ~is_pinned])[::-1]
+        gain = np.concatenate([[0.0], np.cumsum(free)])
+        fixed_gain = float(surv[in_cap & is_pinned].sum())
         best, best_rate, best_drafting, best_drafting_rate = 0, -1.0, 0, -1.0
         for tokens in self.costs.token_steps(num_reqs, num_reqs + fixed + len(free)):
             extra = min(max(0, tokens - num_reqs - fixed), len(free))
@@ -97,7 +85,7 @@ class PolicyView:
                 break
             drafts = fixed + extra
             ms = self.costs.verify_ms(num_reqs, num_reqs + drafts) + (self.costs.draft_ms(num_reqs) if drafts else 0.0)
-            rate = (num_reqs + fixed_gain + gain[extra]) / max(ms, 1e-6)
+            rate = (num_reqs + fixed_gain + float(gain[extra])) / max(ms, 1e-6)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = drafts, rate
             if drafts and rate > best_drafting_rate * (1 + 1e-9):
@@ -105,78 +93,101 @@ class PolicyView:
         return best_drafting if best == 0 and self.explore else best
 
 
-@dataclass
+def fixed_view(num_drafts: int, token_limit: int, max_verify_tokens: int = 0) -> PolicyView:
+    """The view of no policy: every capped slot, within the token limit (and max_verify_tokens)."""
+    empty = np.zeros((0, num_drafts))
+    ones = np.ones(num_drafts)
+    return PolicyView(False, num_drafts, None, {}, empty, empty, ones, ones, max_verify_tokens, token_limit)
+
+
 class SpecPolicy:
-    """The online acceptance estimates behind the views: server-wide and per request."""
+    """The online acceptance estimates behind the views, server-wide and per request (a row of arrays each): per
+    draft position, decayed counts of slots reached (every earlier draft accepted, this one verified), of those
+    accepted, and the sum of their predicted c_k (1 without a confidence head)."""
 
-    num_drafts: int
-    has_confidence: bool
-    enabled: bool = True
-    costs: StepCosts | None = None
-    max_verify_tokens: int = 0
-    _global: _Counts = field(init=False)
-    _requests: dict = field(default_factory=dict)  # Request -> _Counts
-    _last_conf: dict = field(default_factory=dict)  # Request -> [N] c_k of its last draft
-    _undrafted: int = 0  # decode steps since one drafted
-
-    def __post_init__(self) -> None:
+    def __init__(self, num_drafts: int, has_confidence: bool, enabled: bool = True, costs: StepCosts | None = None,
+                 max_verify_tokens: int = 0) -> None:
+        self.num_drafts, self.has_confidence, self.enabled = num_drafts, has_confidence, enabled
+        self.costs, self.max_verify_tokens = costs, max_verify_tokens
+        n = num_drafts
         # before anything is measured: conditional acceptance NO_HEAD_PRIOR, and the head taken at its word
-        self._global = _Counts.prior(self.num_drafts, PRIOR_WEIGHT, NO_HEAD_PRIOR,
-                                     NO_HEAD_PRIOR if self.has_confidence else 1.0)
+        self._global = np.array([[PRIOR_WEIGHT] * n, [PRIOR_WEIGHT * NO_HEAD_PRIOR] * n,
+                                 [PRIOR_WEIGHT * (NO_HEAD_PRIOR if has_confidence else 1.0)] * n])  # [3, N]
+        self._rows: dict = {}  # Request -> its row in the arrays
+        self._free: list[int] = list(range(15, -1, -1))
+        self._counts = np.zeros((16, 3, n))  # [rows, (reached, accepted, predicted), N]
+        self._conf = np.zeros((16, n))  # [rows, N] c_k of each request's last draft
+        self._has_conf = np.zeros(16, dtype=bool)
+        self._undrafted = 0  # decode steps since one drafted
 
-    def observe(self, req: Request, verified: int, accepted: int, conf: list[float] | None) -> None:
-        """One step of a request: `verified` drafts checked, `accepted` taken, its draft's c_k (None: none)."""
-        if verified <= 0 and conf is None:
+    def _row(self, req: Request) -> int:
+        row = self._rows.get(req)
+        if row is None:
+            if not self._free:
+                grow = max(16, len(self._counts))
+                self._free = list(range(len(self._counts), len(self._counts) + grow))
+                self._counts = np.concatenate([self._counts, np.zeros((grow, 3, self.num_drafts))])
+                self._conf = np.concatenate([self._conf, np.zeros((grow, self.num_drafts))])
+                self._has_conf = np.concatenate([self._has_conf, np.zeros(grow, dtype=bool)])
+            row = self._rows[req] = self._free.pop()
+            self._counts[row] = 0.0
+            self._has_conf[row] = False
+        return row
+
+    def observe(self, reqs: list[Request], verified: list[int], accepted: list[int],
+                conf: list[list[float] | None]) -> None:
+        """One step of these requests: drafts verified and accepted, and each draft's c_k (None: no draft ran, or
+        no confidence head)."""
+        keep = [i for i, (v, c) in enumerate(zip(verified, conf)) if v > 0 or c is not None]
+        if not keep:
             return
-        conf = conf if self.has_confidence else None
-        counts = self._requests.get(req)
-        if counts is None:
-            counts = self._requests[req] = _Counts([0.0] * self.num_drafts, [0.0] * self.num_drafts,
-                                                   [0.0] * self.num_drafts)
-        counts.observe(verified, accepted, conf)
-        self._global.observe(verified, accepted, conf)
-        if conf is not None:
-            self._last_conf[req] = conf
+        n = self.num_drafts
+        rows = [self._row(reqs[i]) for i in keep]
+        v, a = np.asarray(verified)[keep], np.asarray(accepted)[keep]
+        k = np.arange(n)[None, :]
+        reached = k < np.minimum(a + 1, v)[:, None]  # [R', N]
+        hit = (k < a[:, None]) & reached
+        with_conf = [i for i in keep if conf[i] is not None] if self.has_confidence else []
+        pred = np.ones((len(keep), n))
+        if with_conf:
+            where = [keep.index(i) for i in with_conf]
+            c = np.asarray([conf[i] for i in with_conf])
+            pred[where] = c
+            self._conf[[rows[j] for j in where]] = c
+            self._has_conf[[rows[j] for j in where]] = True
+        obs = np.stack([reached, hit, reached * pred], 1).astype(float)  # [R', 3, N]
+        counts = self._counts[rows]
+        self._counts[rows] = np.where(reached[:, None, :], counts * DECAY + obs, counts)
+        seen = reached.sum(0)  # [N]
+        self._global = self._global * DECAY ** seen + obs.sum(0)
 
     def stepped(self, drafted: bool) -> None:
         """A decode step ended; it drafted or not."""
         self._undrafted = 0 if drafted else self._undrafted + 1
 
     def forget(self, req: Request) -> None:
-        self._requests.pop(req, None)
-        self._last_conf.pop(req, None)
-
-    def _global_ratio(self) -> list[float]:
-        g = self._global
-        return [a / p if p > 0 else 1.0 for a, p in zip(g.accepted, g.predicted)]
-
-    def _ratio(self, counts: _Counts | None, prior: list[float]) -> list[float]:
-        if counts is None:
-            return prior
-        return [(a + PRIOR_WEIGHT * g) / (p + PRIOR_WEIGHT)
-                for a, p, g in zip(counts.accepted, counts.predicted, prior)]
+        row = self._rows.pop(req, None)
+        if row is not None:
+            self._free.append(row)
 
     def view(self, reqs: list[Request], token_limit: int = 1 << 30) -> PolicyView:
         """The estimates of `reqs` as they stand, for sizing their next steps."""
-        prior = self._global_ratio()
-        g = self._global
-        default_cond = [min(a / r, MAX_COND) if r > 0 else NO_HEAD_PRIOR for a, r in zip(g.accepted, g.reached)]
-        ratios, survival = {}, {}
-        for r in reqs:
-            ratio = self._ratio(self._requests.get(r), prior)
-            ratios[r] = ratio
-            conf = self._last_conf.get(r)
-            cond = [min(c * x, MAX_COND) for c, x in zip(conf, ratio)] if conf is not None else \
-                ([min(x, MAX_COND) for x in ratio] if not self.has_confidence else default_cond)
-            survival[r] = _cumprod(cond)
-        return PolicyView(self.enabled, self.num_drafts, self.costs, ratios, survival, tuple(prior),
-                          tuple(_cumprod(default_cond)), self.max_verify_tokens, token_limit,
-                          explore=self._undrafted >= EXPLORE_EVERY)
-
-
-def _cumprod(xs: list[float]) -> list[float]:
-    out, p = [], 1.0
-    for x in xs:
-        p *= x
-        out.append(p)
-    return out
+        if not self.enabled:
+            return fixed_view(self.num_drafts, token_limit, self.max_verify_tokens)
+        reached, acc, pred = self._global
+        prior = np.where(pred > 0, acc / np.maximum(pred, 1e-12), 1.0)  # [N] server-wide correction
+        default_cond = np.minimum(np.where(reached > 0, acc / np.maximum(reached, 1e-12), NO_HEAD_PRIOR), MAX_COND)
+        rows = [self._rows.get(r, -1) for r in reqs]
+        known = np.asarray([i >= 0 for i in rows], dtype=bool)
+        counts = self._counts[[max(i, 0) for i in rows]] if rows else np.zeros((0, 3, self.num_drafts))
+        ratio = (counts[:, 1] + PRIOR_WEIGHT * prior) / (counts[:, 2] + PRIOR_WEIGHT)  # [R, N]
+        ratio = np.where(known[:, None], ratio, prior)
+        conf_known = known & self._has_conf[[max(i, 0) for i in rows]] if rows else known
+        if self.has_confidence:
+            last = self._conf[[max(i, 0) for i in rows]] if rows else np.zeros((0, self.num_drafts))
+            cond = np.where(conf_known[:, None], np.minimum(last * ratio, MAX_COND), default_cond)
+        else:
+            cond = np.minimum(ratio, MAX_COND)
+        return PolicyView(True, self.num_drafts, self.costs, {r: i for i, r in enumerate(reqs)}, ratio,
+                          np.cumprod(cond, -1), prior, np.cumprod(default_cond), self.max_verify_tokens,
+                          token_limit, explore=self._undrafted >= EXPLORE_EVERY)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..request import FinishReason, Request, StepOutput
 from .kv_manager import KVCacheManager
 from .plan import DecodePlan, PrefillChunk, SchedulerOutput, StepResult
-from .policy import PolicyView, SpecPolicy, cap_drafts
+from .policy import PolicyView, SpecPolicy, cap_drafts, fixed_view
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Scheduler:
         self.running: list[Request] = []  # admitted: prefilling or decoding, oldest first
         self.num_preemptions = 0
         self._released: list[Request] = []
+        self._fixed: dict = {}  # the last view of no policy
 
     @property
     def reserve(self) -> int:
@@ -98,18 +99,30 @@ class Scheduler:
         return SchedulerOutput(decode, prefill, released)
 
     def _plan_decode(self, budget: int) -> DecodePlan | None:
-        for req in list(self.running):  # every decoding request gets its next steps' cache slots
-            if req in self.running and _decoding(req):
-                while req in self.running and not self.kv.grow(req, *self._need(req)):
-                    self._preempt(self.running[-1])
+        preempted = set()
+        for req in list(self.running):  # every decoding request gets its next steps' cache slots, oldest first
+            if req in preempted or not _decoding(req):
+                continue
+            while not self.kv.grow(req, *self._need(req)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.add(victim)
+                if victim is req:
+                    break
         reqs = [r for r in self.running if _decoding(r)]
         if not reqs:
             return None
         n = self.draft.num_speculative_tokens if self.draft is not None else 0
         caps = [cap_drafts(r.num_speculative_tokens, n, r.remaining) for r in reqs]
         pinned = [r.spec_pinned for r in reqs]
-        view = self.policy.view(reqs, budget) if self.policy is not None and n else _no_policy(n, budget)
+        view = self.policy.view(reqs, budget) if self.policy is not None and n else self._fixed_view(n, budget)
         return DecodePlan(reqs, caps, pinned, view.budget(reqs, caps, pinned), view)
+
+    def _fixed_view(self, n: int, budget: int) -> PolicyView:
+        key = (n, budget)
+        if self._fixed.get("key") != key:
+            self._fixed = {"key": key, "view": fixed_view(n, budget)}
+        return self._fixed["view"]
 
     def _plan_prefill(self, budget: int, admit: bool) -> list[PrefillChunk]:
         """Chunks of the prompts already started, then new requests while the budget, max_num_seqs and the blocks
@@ -170,13 +183,14 @@ class Scheduler:
                 req.stats.first_token_ms = 1e3 * (now - req.stats.arrival)
                 outputs.append(self._emit(req, [token], logprobs))
         if plan.decode is not None:
+            rows = result.decoded
             if self.policy is not None:
                 self.policy.stepped(result.drafted)
-            for req, row in zip(plan.decode.reqs, result.decoded):
+                self.policy.observe(plan.decode.reqs, [r.verified for r in rows], [r.accepted for r in rows],
+                                    [r.confidences for r in rows])
+            for req, row in zip(plan.decode.reqs, rows):
                 req.num_computed += row.accepted + 1
                 _record(req, row.accepted, row.verified, result, self.draft)
-                if self.policy is not None:
-                    self.policy.observe(req, row.verified, row.accepted, row.confidences)
                 outputs.append(self._emit(req, row.tokens, row.logprobs))
         self.running = [r for r in self.running if not r.is_finished]
         return outputs
@@ -219,10 +233,6 @@ def output_of(req: Request, added: list[int], logprobs: list[tuple] | None = Non
 def _decoding(req: Request) -> bool:
     """Every committed token but the last (the anchor) is in the cache: the request takes decode steps."""
     return bool(req.output_ids) and req.num_computed == req.num_tokens - 1
-
-
-def _no_policy(n: int, token_limit: int) -> PolicyView:
-    return PolicyView(False, n, None, {}, {}, (1.0,) * n, (1.0,) * n, 0, token_limit)
 
 
 def _record(req: Request, accepted: int, verified: int, result: StepResult, draft: DraftShape | None) -> None:

@@ -19,7 +19,8 @@ def test_graph_replay_equals_eager(with_draft, dtype):
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (1, 5, 12, 40, 300)]
     kw = dict(device="cuda", block_size=8, num_kv_blocks=256, max_model_len=512)
-    eager, graphs = LLM(target, draft, enforce_eager=True, **kw), LLM(target, draft, **kw)
+    spec = {"enable_adaptive_verification": False} if draft is not None else None  # the same drafts verified
+    eager, graphs = LLM(target, draft, spec, enforce_eager=True, **kw), LLM(target, draft, spec, **kw)
     assert graphs.target.graphs is not None and graphs.target.graphs.capture
     for temperature in (0.0, 0.8):
         params = [SamplingParams(temperature=temperature, max_tokens=8 + 8 * i, seed=i, ignore_eos=True)

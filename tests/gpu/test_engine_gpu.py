@@ -8,6 +8,7 @@ from dspark_serve.engine.reference import greedy_generate
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.random_init import tiny_pair
 
+OFF = {"enable_adaptive_verification": False}  # every capped draft verified, as a plain comparison needs
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -34,7 +35,8 @@ def test_seeded_sampling_matches_cpu():
     outs = {}
     for dev in ("cpu", "cuda"):
         target, draft = tiny_pair(seed=3, agree=0.002, block_size=6)
-        llm = LLM(target.to(dev), draft.to(dev), device=dev, block_size=8, num_kv_blocks=256)
+        # the policy off: a step launched ahead (CUDA) is sized a step earlier than one launched late (CPU)
+        llm = LLM(target.to(dev), draft.to(dev), OFF, device=dev, block_size=8, num_kv_blocks=256)
         outs[dev] = [o.token_ids for o in llm.generate(_prompts(4), SamplingParams(temperature=0.8, seed=7,
                                                                                     max_tokens=16))]
     # fp64 models: the keyed noise is bit-identical, so tokens agree unless a Gumbel race is within rounding
@@ -57,7 +59,7 @@ def test_chained_draft_on_cuda_changes_no_output(monkeypatch):
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=20) for i in range(len(prompts))]
     outs = {}
     for chain in (False, True):
-        llm = LLM(target, draft, device="cuda", block_size=8, num_kv_blocks=512, max_num_seqs=2)
+        llm = LLM(target, draft, OFF, device="cuda", block_size=8, num_kv_blocks=512, max_num_seqs=2)
         assert llm.executor.pipeline.chain_ahead and llm.draft.can_chain
         llm.executor.pipeline.chain_ahead = chain
         taken.clear()

@@ -21,7 +21,8 @@ def test_pair_on_two_gpus_equals_local_engine(tmp_path):
         pair = create_pair(PairConfig(EngineConfig(target=str(target), draft=str(draft), device="cuda",
                                                    num_kv_blocks=256, block_size=8)))
         assert pair.backend == "nccl"
-        local = LLM(str(target), str(draft), device="cuda", block_size=8, num_kv_blocks=256)
+        local = LLM(str(target), str(draft), {"enable_adaptive_verification": False}, device="cuda", block_size=8,
+                    num_kv_blocks=256)
         client = pair.stream_client()
         for i, prompt in enumerate([[1, 2, 3], [9, 8, 7, 6, 5], [42] * 11, [100, 200]]):
             params = {"temperature": 0.0, "max_tokens": 48}
