@@ -8,6 +8,7 @@ from collections import deque
 import torch
 
 from .drafter import Drafter, DraftUnavailable
+from .grammar_state import advance_grammar
 from .logits_processing import process_logits, step_logprobs
 from .rejection import verify_mixed
 from .request import FinishReason, Request, StepOutput
@@ -230,6 +231,7 @@ class Scheduler:
             if len(req.output_ids) >= p.max_tokens:
                 self._finish(req, FinishReason.LENGTH)
                 break
+        advance_grammar(req, tokens[:n])
         return self._output(req, tokens[:n], logprobs[:n] if logprobs is not None else None)
 
     def _output(self, req: Request, added: list[int], logprobs: list[tuple] | None = None) -> StepOutput:

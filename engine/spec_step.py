@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from .drafter import DraftProposal, Drafter, draft_input
+from .grammar_state import has_grammar
 from .logits_processing import StepLogprobs, process_logits, step_logprobs
 from .rejection import verify_greedy, verify_mixed
 from .request import Request
@@ -179,7 +180,8 @@ def _step_ahead(pipeline: StepPipeline, target: TargetSide, draft: Drafter | Non
     that the host's bookkeeping of this step (emitting tokens, stop checks, the scheduler) overlaps the device. A
     request's row is taken by the next step if it still decodes from the predicted state; otherwise (a stop, an
     abort, a preemption) the row is dropped, and what it wrote to the caches lies past the committed length
-    (scratch). Not when choosing n needs this draft's confidences on the host, nor without the draft made ahead."""
+    (scratch). Not when choosing n needs this draft's confidences on the host, nor without the draft made ahead,
+    nor for a batch with a grammar (its masks follow the committed tokens)."""
     pipeline.launched = None
     remaining = [r.remaining - len(t) for r, t in zip(reqs, new_tokens)]
     if max(remaining) <= 0:
@@ -188,7 +190,7 @@ def _step_ahead(pipeline: StepPipeline, target: TargetSide, draft: Drafter | Non
     pos = _next_pos(reqs, new_tokens)
     pool = target.allocator  # the verify writes the anchor and up to want[i] drafts past num_computed
     need = [max(0, pool.blocks_for(r.num_computed + 1 + k) - len(r.target_blocks)) for r, k in zip(reqs, want)]
-    if sum(need) > pool.num_free or (any(want) and reads_confidences(reqs, spec, want)):
+    if sum(need) > pool.num_free or (any(want) and reads_confidences(reqs, spec, want)) or has_grammar(reqs):
         return
     proposal = None
     if draft is not None and any(want):
