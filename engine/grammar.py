@@ -14,6 +14,7 @@ from .grammar_state import GrammarState
 from .structured_outputs import StructuredOutputsParams
 
 MAX_CACHED = 64  # compiled grammars kept (least recently used dropped first)
+MAX_WHITESPACE = 20  # JSON: consecutive whitespace characters at most (a model cannot pad forever)
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 INSTALL_HINT = "structured outputs need xgrammar on the server: pip install 'dspark-serve[structured]'"
 
@@ -104,11 +105,11 @@ class Grammars:
 def _compile(compiler: Any, p: StructuredOutputsParams) -> Any:
     any_ws = not p.disable_any_whitespace
     kind = p.kind
+    ws = {"any_whitespace": any_ws, "max_whitespace_cnt": MAX_WHITESPACE if any_ws else None, "strict_mode": False}
     if kind == "json":
-        return compiler.compile_json_schema(p.json, any_whitespace=any_ws, strict_mode=False)
+        return compiler.compile_json_schema(p.json, **ws)
     if kind == "json_object":
-        schema = {"type": "object"}
-        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=any_ws, strict_mode=False)
+        return compiler.compile_json_schema(json.dumps({"type": "object"}), **ws)
     if kind == "regex":
         return compiler.compile_regex(p.regex)
     if kind == "grammar":
