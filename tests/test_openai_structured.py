@@ -214,3 +214,30 @@ def test_langchain_bind_tools(server):
         assert isinstance(chunk, AIMessageChunk)
         streamed = chunk if streamed is None else streamed + chunk
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+
+
+def test_a_schema_that_compiles_slowly_stalls_no_other_stream(oai):
+    """A 3000-property schema compiles for seconds in a worker thread; a plain stream started meanwhile finishes
+    first, at its usual pace."""
+    import threading
+    import time
+
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{%d,%d}x" % (i % 5, i % 5 + 3)}
+                                            for i in range(3000)}}
+    done = {}
+
+    def slow():
+        done["slow"] = oai.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0.0,
+                                              extra_body={"structured_outputs": {"json": big}})
+        done["slow_at"] = time.monotonic()
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    text = "".join(c.choices[0].text for c in oai.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=32, temperature=0.0, stream=True, extra_body={"ignore_eos": True}))
+    took = time.monotonic() - start
+    assert text and took < 1.5 and "slow" not in done, took
+    t.join(120)
+    assert done["slow"].choices[0].text.startswith("{") and done["slow_at"] - start > took
