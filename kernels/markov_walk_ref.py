@@ -18,8 +18,8 @@ from torch import Tensor
 def markov_walk_ref(values: Tensor, cand: Tensor, w2_rows: Tensor, w1: Tensor, anchor: Tensor, scale: float,
                     d2t: Tensor | None = None, conf_base: Tensor | None = None, conf_w: Tensor | None = None,
                     noise: Tensor | None = None, temperature: Tensor | None = None,
-                    sampled: Tensor | None = None,
-                    allow: Callable[[int, Tensor], Tensor | None] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                    sampled: Tensor | None = None, allow: Callable[[int, Tensor], Tensor | None] | None = None
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
     """values [R, N, K] fp32 base logits of the candidates (times logit_scale); cand [R, N, K] int64 draft ids;
     w2_rows [R, N, K, r] their W2 rows; w1 [V_in, r] (indexed by target ids); anchor [R] int64 target ids;
     d2t [V_draft] int64 offsets (None: identity); conf_base [R, N] fp32 confidence logits without the Markov

@@ -20,7 +20,8 @@ MODEL = "tiny-tools"
 EOS = 511  # <|special_1|>: the end of a turn
 TEMPLATE = (
     "{% if tools %}[tools]{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}"
     "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n"
     "</tool_call>{% endfor %}{% endif %}<|special_1|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
