@@ -74,8 +74,8 @@ class StructuredOutputsParams:
         known = set(KINDS) | {"disable_any_whitespace"}
         unknown = sorted(set(body) - known)
         if unknown:
-            raise ValueError(f"{prefix}.{unknown[0]} is not a structured output kind; the kinds are "
-                             f"{', '.join(KINDS)}")
+            raise ValueError(f"{prefix}.{unknown[0]} is not a structured output kind or option; the kinds are "
+                             f"{', '.join(KINDS)}, the option disable_any_whitespace")
         kw = {k: v for k, v in body.items() if v is not None}
         for name in ("json", "structural_tag"):
             if isinstance(kw.get(name), (dict, bool)) and not (name == "structural_tag" and isinstance(kw[name], bool)):
