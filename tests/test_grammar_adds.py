@@ -1,12 +1,13 @@
 """Requests whose grammar compiles off the step loop: built in worker threads, handed over when done, refused
 with their message, and dropped when cancelled while compiling."""
 
+import threading
+import time
+
+from dspark_serve.actors.grammar_adds import GrammarAdds
+
+
 def test_grammar_adds_build_off_the_loop_and_cancel():
-    import threading
-    import time
-
-    from dspark_serve.actors.grammar_adds import GrammarAdds
-
     gate = threading.Event()
 
     def build(name):

@@ -81,4 +81,3 @@ def test_forced_choices_become_grammars_and_auto_needs_the_flag():
     assert chat.tool_choice_grammar(pb.Chat(tools_json=c.tools_json, tool_choice="none"), False) is None
     with pytest.raises(ValueError, match="chat.tool_choice must be one of"):
         chat.tool_choice_grammar(pb.Chat(tools_json=c.tools_json, tool_choice="always"), True)
-
