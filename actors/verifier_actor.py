@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from dspark_serve.engine.llm import LLM
-from dspark_serve.engine.request import StepOutput
+from dspark_serve.engine.request import RequestStats, StepOutput
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.draft_config import DraftConfig
 
 from .channel import VerifierEnd, free_port
+from .grammar_adds import COMPILE_POLL_S, GrammarAdds
 from .placement_env import actor_device, node_ip, set_cpu_threads
 from .remote_draft import RemoteDraft
 from .request_stream import StreamServer
@@ -52,6 +53,8 @@ class VerifierActor:
         self._new_draft: RemoteDraft | None = None  # a replacement draft, swapped in between steps
         self._channel_lock = threading.Lock()  # the process-wide torch.distributed group: closed once, re-made once
         self._channel_open = False
+        self.grammar_adds = GrammarAdds(lambda rid, ids, params, n, threshold: self.llm.new_request(
+            ids, SamplingParams(**params), request_id=rid, num_speculative_tokens=n, confidence_threshold=threshold))
         if self.draft_cfg is None or cfg.colocate:  # no step channel to wait for
             self._build(None)
 
@@ -123,12 +126,19 @@ class VerifierActor:
         try:
             while not self._stop:
                 busy = self.llm.has_unfinished()
-                frames, lost = self.stream.poll(0.0 if busy else IDLE_POLL_S)
+                frames, lost = self.stream.poll(0.0 if busy else
+                                                COMPILE_POLL_S if self.grammar_adds.pending else IDLE_POLL_S)
                 if lost:  # the gateway that owned the open requests is gone
+                    self.grammar_adds.clear()
                     for rid in list(self.llm.core.live_ids()):
                         self.llm.abort(rid)
                 for frame in frames:
                     self._apply(frame)
+                for rid, req, error in self.grammar_adds.ready():  # compiled off the loop
+                    if error is None:
+                        self._add(rid, req)
+                    else:
+                        self.stream.send(("rejected", rid, error))
                 self._heartbeat = time.monotonic()
                 self._swap_draft()
                 if self.llm.has_unfinished():
@@ -171,15 +181,28 @@ class VerifierActor:
             if self._draining:
                 self.stream.send(("rejected", rid, "draining: not accepting new requests"))
                 return
+            if params.get("structured_outputs") is not None:  # its grammar compiles in a worker thread
+                self.grammar_adds.submit(rid, rid, prompt_ids, params, n, threshold)
+                return
             try:
                 req = self.llm.new_request(prompt_ids, SamplingParams(**params), request_id=rid,
                                            num_speculative_tokens=n, confidence_threshold=threshold)
-                self.llm.core.add(req)
             except (ValueError, TypeError) as e:
                 self.stream.send(("rejected", rid, str(e)))
+                return
+            self._add(rid, req)
         elif frame[0] == "abort":
             for rid in frame[1]:
-                self.llm.abort(rid)
+                if self.grammar_adds.cancel(rid):  # still compiling: it ends here
+                    self.stream.send(("step", [(rid, [], "abort", RequestStats().to_dict())]))
+                else:
+                    self.llm.abort(rid)
+
+    def _add(self, rid: str, req) -> None:
+        try:
+            self.llm.core.add(req)
+        except ValueError as e:
+            self.stream.send(("rejected", rid, str(e)))
 
     def _publish(self, outs: list[StepOutput]) -> None:
         c = self._counters

@@ -31,6 +31,8 @@ class GatewayConfig:
     health_port: int | None = None  # also serve grpc.health.v1 alone here, in plaintext (kubelet probes speak no TLS)
     http_port: int | None = None  # also serve the OpenAI-compatible HTTP API and /metrics here (0: any free port)
     served_model_name: str | None = None  # the `model` HTTP clients name; None: the target path as given
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model may call tools (vLLM's flag)
+    tool_call_parser: str | None = None  # how calls are read from the output: "hermes" (vLLM's flag)
 
     def validate(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -39,6 +41,10 @@ class GatewayConfig:
             raise ValueError("ssl_ca_certs (mutual TLS) needs ssl_certfile and ssl_keyfile")
         if any(not k or k != k.strip() for k in self.api_keys):
             raise ValueError("an API key must be non-empty, without surrounding whitespace")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        if self.tool_call_parser not in (None, "hermes"):
+            raise ValueError(f"tool_call_parser must be hermes, got {self.tool_call_parser!r}")
         for name in ("max_request_bytes", "max_control_request_bytes", "max_stop_strings", "max_stop_string_chars",
                      "max_stop_token_ids", "max_abort_ids", "max_queue", "max_n"):
             if getattr(self, name) < 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dspark_serve.engine.detokenize import TextStream
 from dspark_serve.engine.sampling_params import MAX_N, SamplingParams
+from dspark_serve.engine.structured_outputs import StructuredOutputsParams
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from .config import GatewayConfig
@@ -38,8 +39,31 @@ def sampling_params(msg: pb.SamplingParams, max_tokens_limit: int, max_n: int = 
     kw["stop_token_ids"] = tuple(msg.stop_token_ids)
     if any(s == "" for s in kw["stop"]):
         raise ValueError("stop strings must be non-empty")
+    if msg.HasField("structured_outputs"):
+        kw["structured_outputs"] = structured_outputs(msg.structured_outputs)
     SamplingParams(**kw).validate(max_tokens_limit=max_tokens_limit, max_n=max_n)
     return kw
+
+
+def structured_outputs(msg: pb.StructuredOutputs, prefix: str = "sampling.structured_outputs"
+                       ) -> StructuredOutputsParams:
+    """The message as the engine's params; ValueError naming the field when its shape is wrong."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError(f"{prefix} sets no kind: set one of json, json_object, regex, choice, grammar, "
+                         "structural_tag")
+    value = getattr(msg, kind)
+    so = StructuredOutputsParams(**{kind: tuple(value.values) if kind == "choice" else value},
+                                 disable_any_whitespace=msg.disable_any_whitespace)
+    so.validate(prefix)
+    return so
+
+
+def structured_outputs_message(so: StructuredOutputsParams) -> pb.StructuredOutputs:
+    kind = so.kind
+    value = getattr(so, kind)
+    return pb.StructuredOutputs(**{kind: pb.Choices(values=value) if kind == "choice" else value},
+                                disable_any_whitespace=so.disable_any_whitespace)
 
 
 def sequence_params(params: dict, index: int) -> dict:

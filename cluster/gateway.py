@@ -142,6 +142,12 @@ class GatewayCore:
             if len(prompt) > limit:
                 raise ValueError(f"text is {len(prompt)} characters; the limit is {limit}")
         params = convert.sampling_params(req.sampling, info["max_model_len"], self.cfg.max_n)
+        if req.WhichOneof("input") == "chat":
+            forced = chat.tool_choice_grammar(req.chat, self.cfg.enable_auto_tool_choice)
+            if forced is not None and params.get("structured_outputs") is not None:
+                raise ValueError("sampling.structured_outputs and a forced chat.tool_choice both constrain the "
+                                 "output; send one")
+            params["structured_outputs"] = forced or params.get("structured_outputs")
         if params["stop"] and self.token_text is None:
             raise ValueError("sampling.stop needs a tokenizer next to the target; use stop_token_ids")
         n, threshold = convert.speculative(req, info["num_speculative_tokens"])

@@ -48,7 +48,8 @@ class DSparkClient:
                 confidence_threshold: float | None = None, disable_speculation: bool = False,
                 **sampling: Any) -> pb.GenerateRequest:
         """`prompt`: text, token ids, or chat messages ({role, content} dicts, rendered by the server's chat
-        template). `sampling`: temperature, top_p, top_k, min_p, seed, max_tokens, stop, stop_token_ids, ignore_eos."""
+        template). `sampling`: temperature, top_p, top_k, min_p, seed, max_tokens, stop, stop_token_ids, ignore_eos,
+        structured_outputs (a pb.StructuredOutputs), ..."""
         req = pb.GenerateRequest(request_id=request_id)
         if isinstance(prompt, str):
             req.text = prompt
@@ -61,6 +62,8 @@ class DSparkClient:
                 continue
             if key in ("stop", "stop_token_ids"):
                 getattr(req.sampling, key).extend(value)
+            elif key == "structured_outputs":
+                req.sampling.structured_outputs.CopyFrom(value)
             else:
                 setattr(req.sampling, key, value)
         if num_speculative_tokens is not None:

@@ -19,8 +19,10 @@ from starlette.routing import Route
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from . import openai_convert as oc
+from . import openai_tools
 from .auth import Access
 from .gateway import GatewayCore, GatewayError
+from .tool_calls import ToolStream
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,7 @@ class _Answer:
         self.rid, self.model, self.opts, self.piece = rid, model, opts, piece
         self.created = int(time.time())
         self.seqs: dict[int, oc.Sequence] = {}
+        self.tools: dict[int, ToolStream] = {}  # opts.tools: each sequence's tool-call parser
 
     def _take(self, msg: pb.GenerateResponse) -> oc.Sequence:
         seq = self.seqs.setdefault(msg.index, oc.Sequence())
@@ -163,14 +166,27 @@ class _Answer:
         seq = self._take(msg)
         args = (self.rid, self.model, self.created, self.opts, msg.index)
         out = [oc.chunk_json(*args, role=True)] if new and self.opts.chat else []
+        tools = self.tools.setdefault(msg.index, ToolStream()) if self.opts.tools else None
         if msg.HasField("chunk"):
             lp = None
             if self.opts.top_logprobs is not None and msg.chunk.logprobs:
                 lp = oc.logprobs_json(list(msg.chunk.logprobs), self.piece, self.opts.chat, offset)
-            if msg.chunk.text or lp:  # tokens that end inside a UTF-8 character have no text yet
-                out.append(oc.chunk_json(*args, text=msg.chunk.text, logprobs=lp))
+            text, calls = msg.chunk.text, []
+            if tools is not None:  # tool calls leave the content and stream as tool-call deltas
+                before = len(tools.calls)
+                text, calls = tools.feed(text)
+                calls = openai_tools.call_deltas(calls, before)
+            if text or lp or calls:  # tokens that end inside a UTF-8 character have no text yet
+                out.append(oc.chunk_json(*args, text=text if text or not calls else None, logprobs=lp,
+                                         tool_calls=calls))
         else:
-            out.append(oc.chunk_json(*args, final=seq.final))
+            if tools is not None:
+                before = len(tools.calls)
+                text, calls = tools.finish()
+                if text or calls:
+                    out.append(oc.chunk_json(*args, text=text or None,
+                                             tool_calls=openai_tools.call_deltas(calls, before)))
+            out.append(oc.chunk_json(*args, final=seq.final, called=tools is not None and bool(tools.calls)))
         return out
 
 

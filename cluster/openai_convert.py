@@ -4,11 +4,12 @@ OpenAI's error object with its HTTP status."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
+from . import openai_tools
 from .metrics import FINISH_NAMES
 
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "ALREADY_EXISTS": 409,
@@ -21,7 +22,7 @@ _ERROR_KIND = {400: ("invalid_request_error", None), 401: ("invalid_request_erro
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed", "min_tokens")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
-_REFUSED = {"echo": "echo", "suffix": "suffix", "tools": "tool calls", "functions": "function calls",
+_REFUSED = {"echo": "echo", "suffix": "suffix", "functions": "function calls (use tools)",
             "logit_bias": "logit_bias"}  # set (truthy), these would change what the answer means: refused
 
 
@@ -50,6 +51,7 @@ class Options:
     stream: bool = False
     include_usage: bool = False
     top_logprobs: int | None = None  # None: no logprobs in the answer
+    tools: bool = False  # the answer is parsed for tool calls (hermes)
 
 
 def _get(body: dict, name: str, kinds: tuple[type, ...], what: str) -> Any:
@@ -121,11 +123,6 @@ def _refuse_unsupported(body: dict) -> None:
     for name, what in _REFUSED.items():
         if body.get(name):
             raise APIError(400, f"{what} ({name}) is not supported by this server", name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise APIError(400, "tool calls (tool_choice) are not supported by this server", "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise APIError(400, "response_format other than {\"type\": \"text\"} is not supported", "response_format")
     best_of = body.get("best_of")
     if best_of not in (None, 1) and best_of != body.get("n"):
         raise APIError(400, "best_of other than n is not supported", "best_of")
@@ -147,6 +144,8 @@ def completion_request(body: dict) -> tuple[pb.GenerateRequest, Options]:
                        "prompt")
     else:
         raise APIError(400, "prompt is required: a string or a list of token ids", "prompt")
+    if body.get("tools") is not None or body.get("tool_choice") is not None:
+        raise APIError(400, "tools are for /v1/chat/completions", "tools")
     return req, _build(req, body, chat=False)
 
 
@@ -161,11 +160,21 @@ def chat_request(body: dict) -> tuple[pb.GenerateRequest, Options]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a string role", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        req.chat.messages.add(role=role, content=_content(m.get("content"), i))
+        msg = req.chat.messages.add(role=role, content=_content(m.get("content"), i))
+        _fields(openai_tools.set_message_tools, m, msg, i)
     add = _get(body, "add_generation_prompt", (bool,), "true or false")
     if add is not None:
         req.chat.add_generation_prompt = add
-    return req, _build(req, body, chat=True)
+    opts = _build(req, body, chat=True)
+    return req, replace(opts, tools=_fields(openai_tools.set_tools, body, req.chat))
+
+
+def _fields(fn: Callable, *args: Any) -> Any:
+    """fn(*args), its FieldError as an HTTP 400 naming the field."""
+    try:
+        return fn(*args)
+    except openai_tools.FieldError as e:
+        raise APIError(400, str(e), e.param) from None
 
 
 def _content(content: Any, i: int) -> str:
@@ -179,6 +188,7 @@ def _content(content: Any, i: int) -> str:
 
 
 def _build(req: pb.GenerateRequest, body: dict, chat: bool) -> Options:
+    _fields(openai_tools.set_structured, body, req.sampling)
     try:
         return _sampling(body, req.sampling, chat)
     except (ValueError, TypeError) as e:  # out of the proto field's range (int32 and the like)
@@ -251,7 +261,9 @@ def response_json(rid: str, model: str, created: int, seqs: dict[int, Sequence],
         lp = logprobs_json(s.logprobs, piece, opts.chat) if opts.top_logprobs is not None and s.logprobs else None
         choice = {"index": i, "logprobs": lp, "finish_reason": finish_reason(s.final)}
         if opts.chat:
-            choice["message"] = {"role": "assistant", "content": s.final.text}
+            choice["message"], called = openai_tools.message(s.final.text, opts.tools)
+            if called and choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = s.final.text
         choices.append(choice)
@@ -265,19 +277,23 @@ def response_id(rid: str, opts: Options) -> str:
 
 
 def chunk_json(rid: str, model: str, created: int, opts: Options, index: int, *, text: str | None = None,
-               role: bool = False, logprobs: dict | None = None, final: pb.GenerateComplete | None = None) -> dict:
-    """One streamed chunk of one sequence: its first (chat: the role), a text delta, or its end (finish_reason,
-    and its speculative stats as `dspark`)."""
+               role: bool = False, logprobs: dict | None = None, final: pb.GenerateComplete | None = None,
+               tool_calls: list[dict] | None = None, called: bool = False) -> dict:
+    """One streamed chunk of one sequence: its first (chat: the role), a text delta and/or tool-call deltas, or
+    its end (finish_reason, "tool_calls" when it `called` tools, and its speculative stats as `dspark`)."""
     choice: dict[str, Any] = {"index": index}
     if opts.chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
     choice["logprobs"] = logprobs
-    choice["finish_reason"] = None if final is None else finish_reason(final)
+    reason = None if final is None else finish_reason(final)
+    choice["finish_reason"] = "tool_calls" if called and reason == "stop" else reason
     out = {"id": response_id(rid, opts), "object": "chat.completion.chunk" if opts.chat else "text_completion",
            "created": created, "model": model, "choices": [choice]}
     if final is not None:

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+MARKUP_TOKENS = frozenset({"<tool_call>", "</tool_call>"})  # text a parser reads: kept even where a converted
+# tokenizer marks them special (Qwen's own tokenizers do not)
+
+
 def _byte_level_chars() -> dict[str, int]:
     """GPT-2's byte <-> printable character map, as the ByteLevel pre-tokenizer and decoder use it."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
@@ -55,7 +59,8 @@ class TokenText:
 
     def _set_added_tokens(self) -> None:
         for i, added in self.tokenizer.get_added_tokens_decoder().items():
-            self.table[i] = b"" if added.special and self.skip_special_tokens else _token_bytes(added.content)
+            skip = added.special and self.skip_special_tokens and added.content not in MARKUP_TOKENS
+            self.table[i] = b"" if skip else _token_bytes(added.content)
 
     def variant(self, skip_special_tokens: bool) -> TokenText:
         """This tokenizer's decoding with skip_special_tokens so; the other variant is prepared once, when first

@@ -15,6 +15,7 @@ from dspark_serve.models.token_map import load_token_map, restrict_draft_vocab
 from .runner.draft_graphs import DraftGraphs
 from .runner.draft_runner import DraftRunner
 from .drafter import DraftInput, DraftProposal
+from .grammar_draft import DraftMasks, masked
 from .kv_cache import batch_metadata, positions_of
 from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
@@ -80,7 +81,9 @@ class DraftSide:
         q_len, num_reqs = self.query_len, len(tables)
         anchor_pos = inp.anchor_pos.tolist()
         need_q = self.spec.draft_sample_method != "greedy" and bool((inp.temperature >= 1e-5).any())  # host data
-        shape = self.graphs.shape_for(anchor_pos) if self.graphs is not None else None
+        masks = DraftMasks(inp.grammars, self.target_vocab, dev) if inp.grammars is not None else None
+        masks = masks or None  # constrained rows walk eagerly, masked by their grammars
+        shape = self.graphs.shape_for(anchor_pos) if self.graphs is not None and masks is None else None
         todo = [i for i, k in enumerate(lens) if k > 0]
         context = ([tables[i] for i in todo], [starts[i] for i in todo], [lens[i] for i in todo])
         if todo and (shape is None or not self.graphs.fits_context(sum(lens), shape)):
@@ -98,8 +101,12 @@ class DraftSide:
         first = 0 if cfg.anchor_first else 1
         hidden = hidden[:, first:first + n]  # [R, N, H]: row k drafts position anchor_pos + 1 + k
         base = m.base_logits(hidden)  # [R, N, V_draft]
-        return self.markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
-                                 inp.anchor_pos.to(dev), need_q)
+        try:
+            return self.markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
+                                    inp.anchor_pos.to(dev), need_q, masks)
+        finally:
+            if masks is not None:
+                masks.close()
 
     def propose_chained(self, packed: Tensor, anchor_pos: list[int], tables: list[list[int]],
                         temperature: list[float], seeds: list[int], feats: Tensor) -> DraftProposal | None:
@@ -120,12 +127,13 @@ class DraftSide:
         self.runner.write_context(features.to(self.device), pos, meta.slot_mapping, self.cache, meta.all_slots_valid)
 
     def markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
-                     anchor_pos: Tensor, need_q: bool) -> DraftProposal:
-        """need_q: some row samples (then q is returned for every row; greedy rows get one-hot q)."""
+                    anchor_pos: Tensor, need_q: bool, masks: DraftMasks | None = None) -> DraftProposal:
+        """need_q: some row samples (then q is returned for every row; greedy rows get one-hot q). masks: the
+        constrained rows' grammars (each step is masked by them; q is the masked distribution)."""
         m = self.model
         topk = self.spec.dspark_draft_topk
         if m.markov_head is not None and 0 < topk < base.shape[-1]:
-            return self._topk_walk(hidden, base, anchor, temperature, seeds, anchor_pos, need_q, topk)
+            return self._topk_walk(hidden, base, anchor, temperature, seeds, anchor_pos, need_q, topk, masks)
         n = base.shape[1]
         greedy = (temperature < 1e-5) | (self.spec.draft_sample_method == "greedy")  # [R]
         temp = torch.where(temperature < 1e-5, 1.0, temperature)[:, None]  # [R, 1]
@@ -133,6 +141,8 @@ class DraftSide:
         for k in range(n):
             embed = m.markov_embed(prev) if m.markov_head is not None else None  # [R, r]
             logits = base[:, k] + m.markov_bias(embed) if embed is not None else base[:, k]  # [R, V_draft]
+            if masks is not None:
+                logits = masked(logits, masks.allowed(k, prev)[:, self._scatter_cols])
             if m.confidence_head is not None:
                 conf.append(m.confidence_logit(hidden[:, k], embed))
             if need_q:
@@ -150,7 +160,7 @@ class DraftSide:
         return DraftProposal(torch.stack(tokens, 1), stack(probs), stack(conf))
 
     def _topk_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
-                   anchor_pos: Tensor, need_q: bool, topk: int) -> DraftProposal:
+                   anchor_pos: Tensor, need_q: bool, topk: int, masks: DraftMasks | None = None) -> DraftProposal:
         """dspark_draft_topk: candidates from the base logits once per position, then the walk over them (one
         Triton launch on the fast path). hidden [R, N, H], base [R, N, V_draft]; q lives on the candidates."""
         m, (num, n, _) = self.model, base.shape
@@ -177,8 +187,13 @@ class DraftSide:
             noise = keyed_gumbel_at(seeds, positions, cand, DRAFT_SALT)  # [R, N, K]
         d2t = m.d2t if self._reduced_vocab else None
         w1 = m.markov_head.markov_w1.weight
-        tokens, logits, conf = _walk_fn(values)(values, cand, rows, w1, anchor, m.config.logit_scale, d2t,
-                                                conf_base, conf_w, noise, temp, ~greedy)
+        args = (values, cand, rows, w1, anchor, m.config.logit_scale, d2t, conf_base, conf_w, noise, temp, ~greedy)
+        if masks is None:
+            tokens, logits, conf = _walk_fn(values)(*args)
+        else:  # the reference walk, each step's candidates masked by the grammars
+            cand_target = cand + m.d2t.to(cand.device)[cand] if d2t is not None else cand
+            allow = lambda k, prev: masks.allowed(k, prev).gather(1, cand_target[:, k])  # noqa: E731
+            tokens, logits, conf = markov_walk_ref(*args, allow=allow)  # logits -inf where refused: q is masked
         if not need_q:
             return DraftProposal(tokens, None, conf)
         cand_ids = m.to_target_ids(cand) if d2t is not None else cand

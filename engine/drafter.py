@@ -28,6 +28,8 @@ class DraftInput:
     block_table: Tensor  # [R, max_blocks] int64, the draft cache blocks of each request
     temperature: Tensor  # [R] fp32 (0 = greedy)
     seeds: Tensor  # [R] int64
+    grammars: tuple | None = None  # per row its GrammarState or None, drafting at the committed output (in process
+    # only: a draft behind the step channel drafts unconstrained)
 
 
 @dataclass
@@ -58,7 +60,8 @@ def draft_input(reqs: list[Request], contexts: list[DraftContext], anchors: list
         anchors=ints[0], anchor_pos=ints[1], ctx_start=ints[2], ctx_len=ints[3],
         features=torch.cat(feats) if len(feats) > 1 else (feats[0] if feats else None),
         block_table=torch.tensor([r.draft_blocks + [0] * (width - len(r.draft_blocks)) for r in reqs]),
-        temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32), seeds=ints[4])
+        temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32), seeds=ints[4],
+        grammars=tuple(r.grammar for r in reqs) if anchors is None and any(r.grammar for r in reqs) else None)
     for n, c in zip(computed, contexts):
         c.length, c.pending = n, []
     return inp

@@ -25,6 +25,7 @@ from dspark_serve.models.tokenizer import load_tokenizer
 from .detokenize import TextStream, TokenText, text_stream
 from .draft_side import DraftSide
 from .engine_config import DEFAULT_NUM_KV_BLOCKS, EngineConfig
+from .grammar import Grammars
 from .kv_sizing import block_bytes, graph_reserve_bytes, kv_blocks_for_memory
 from .request import Request, RequestOutput, StepOutput
 from .sampling_params import SamplingParams
@@ -135,6 +136,7 @@ class LLM:
             if isinstance(draft_side, DraftSide):
                 draft_side.use_static_shapes(self.max_model_len)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
+        self.grammars = Grammars(self.tokenizer, self.target.vocab_size, tuple(eos_token_ids or ()))  # compiled lazily
         kv = KVCacheManager(num_kv_blocks, block_size, draft_side.num_blocks if draft_side is not None else None)
         sched = SchedulerConfig(max_num_seqs, cfg.batched_tokens, tuple(eos_token_ids or ()))
         self._costs = cfg.step_costs
@@ -258,8 +260,8 @@ class LLM:
 
     def new_request(self, prompt: str | list[int], params: SamplingParams, *, request_id: str | None = None,
                     num_speculative_tokens: int | None = None, confidence_threshold: float | None = None) -> Request:
-        """A validated Request (ValueError naming the field); scheduler.add queues it. Stop strings are left to
-        whoever processes the outputs."""
+        """A validated Request (ValueError naming the field) with its grammar compiled (cached); scheduler.add
+        queues it. Stop strings are left to whoever processes the outputs."""
         params.validate(max_tokens_limit=self.max_model_len)
         ids = self.encode(prompt)
         vocab = self.target.vocab_size
@@ -278,7 +280,8 @@ class LLM:
         seed = params.seed if params.seed is not None else secrets.randbits(62)  # fresh per request and process
         rid = request_id or f"req-{next(self._ids)}"
         return Request(rid, ids, params, seed, n, confidence_threshold=confidence_threshold,
-                       spec_pinned=num_speculative_tokens is not None)
+                       spec_pinned=num_speculative_tokens is not None,
+                       grammar=self.grammars.state(params.structured_outputs))
 
     def abort(self, request_id: str) -> bool:
         """End the request at the next step, whose outputs carry its final one (finish_reason "abort"); False

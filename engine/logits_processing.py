@@ -1,5 +1,5 @@
-"""A step's per-request logits processing: penalties and min_tokens before verification, logprobs after. Host
-lists become tensors for the rows that ask only; a batch where none asks costs nothing."""
+"""A step's per-request logits processing: penalties, min_tokens and grammars before verification, logprobs after.
+Host lists become tensors for the rows that ask only; a batch where none asks costs nothing."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .grammar_state import apply_grammar
 from .logprobs import token_logprobs, unpack_row
 from .penalties import apply_penalties, counts_before, mask_before_min, token_counts
 from .request import Request
@@ -49,12 +50,18 @@ def _prompt_mask(r: Request, vocab_size: int, device: torch.device) -> Tensor:
 
 def process_logits(reqs: list[Request], logits: Tensor, drafts: Tensor | None,
                    pending: list[list[int]] | None = None) -> Tensor:
-    """Penalties and min_tokens on the rows whose requests set them, in place. logits [R, W, V]: position j of row
-    b is the token after its anchor and drafts[b, :j] (drafts [R, >= W - 1] on the device, or None when W = 1);
-    pending[b]: tokens committed after r.output_ids that it does not hold yet (a step launched ahead)."""
-    rows = [i for i, r in enumerate(reqs) if r.params.processes_logits]
-    if not rows:
-        return logits
+    """Penalties, min_tokens and the grammar's masks on the rows whose requests set them, in place. logits
+    [R, W, V]: position j of row b is the token after its anchor and drafts[b, :j] (drafts [R, >= W - 1] on the
+    device, or None when W = 1); pending[b]: tokens committed after r.output_ids that it does not hold yet (a step
+    launched ahead; never for a constrained row, whose step is not launched ahead)."""
+    rows = [i for i, r in enumerate(reqs) if r.params.has_penalties or r.params.min_tokens > 0]
+    if rows:
+        _penalize(reqs, rows, logits, drafts, pending)
+    return apply_grammar(reqs, logits, drafts)
+
+
+def _penalize(reqs: list[Request], rows: list[int], logits: Tensor, drafts: Tensor | None,
+              pending: list[list[int]] | None) -> None:
     dev, vocab_size = logits.device, logits.shape[-1]
     sub = [reqs[i] for i in rows]
     outputs = [r.output_ids + (pending[i] if pending is not None else []) for i, r in zip(rows, sub)]
@@ -76,7 +83,6 @@ def process_logits(reqs: list[Request], logits: Tensor, drafts: Tensor | None,
         d = drafts[idx, :x.shape[1] - 1] if drafts is not None else x.new_zeros(len(sub), 0, dtype=torch.int64)
         x = apply_penalties(x, prompt, counts_before(counts, d), floats[0], floats[1], floats[2])
     logits[idx] = x
-    return logits
 
 
 def step_logprobs(reqs: list[Request], logits: Tensor, tokens: Tensor) -> StepLogprobs | None:

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
+from .grammar_state import GrammarState
 from .sampling_params import SamplingParams
 
 
@@ -64,6 +65,7 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     banned_before_min: tuple[int, ...] = ()  # ids masked before min_tokens: EOS (unless ignore_eos), stop token ids
     prompt_mask: Tensor | None = None  # [V] bool on the device: the prompt's ids (repetition_penalty), made once
+    grammar: GrammarState | None = None  # structured output: the grammar at the committed output
 
     @property
     def num_tokens(self) -> int:

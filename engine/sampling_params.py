@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .structured_outputs import StructuredOutputsParams
+
 GREEDY_TEMPERATURE = 1e-5  # below this a request is decoded by argmax
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
 MAX_N = 16  # sequences per request, unless the server sets another limit
@@ -38,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None  # each token's logprob and this many top alternatives (0..20); None: none
     skip_special_tokens: bool = True  # special tokens leave no text
     n: int = 1  # sequences per prompt (fanned out by the caller: one engine request each)
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match it (masks the target)
 
     @property
     def is_greedy(self) -> bool:
@@ -49,8 +52,9 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the target's logits change before this request samples from them (penalties, min_tokens)."""
-        return self.has_penalties or self.min_tokens > 0
+        """Whether the target's logits change before this request samples from them (penalties, min_tokens, a
+        grammar)."""
+        return self.has_penalties or self.min_tokens > 0 or self.structured_outputs is not None
 
     def validate(self, max_tokens_limit: int | None = None, max_n: int = MAX_N) -> None:
         """Raise ValueError naming the first bad field, what it must be and what arrived."""
@@ -89,6 +93,11 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {lp!r}")
         if not _is_int(self.n) or not 1 <= self.n <= max_n:
             raise ValueError(f"n must be in [1, {max_n}], got {self.n!r}")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be StructuredOutputsParams, got {type(so).__name__}")
+            so.validate()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

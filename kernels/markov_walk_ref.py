@@ -9,6 +9,8 @@ Triton kernel in markov_walk.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -16,13 +18,15 @@ from torch import Tensor
 def markov_walk_ref(values: Tensor, cand: Tensor, w2_rows: Tensor, w1: Tensor, anchor: Tensor, scale: float,
                     d2t: Tensor | None = None, conf_base: Tensor | None = None, conf_w: Tensor | None = None,
                     noise: Tensor | None = None, temperature: Tensor | None = None,
-                    sampled: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+                    sampled: Tensor | None = None, allow: Callable[[int, Tensor], Tensor | None] | None = None
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
     """values [R, N, K] fp32 base logits of the candidates (times logit_scale); cand [R, N, K] int64 draft ids;
     w2_rows [R, N, K, r] their W2 rows; w1 [V_in, r] (indexed by target ids); anchor [R] int64 target ids;
     d2t [V_draft] int64 offsets (None: identity); conf_base [R, N] fp32 confidence logits without the Markov
     term and conf_w [r] its weights on W1[prev] (None: no confidence head, or one without W1[prev]);
     noise [R, N, K] fp32 Gumbel noise at the candidates, temperature [R] fp32 (> 0 on sampled rows), sampled
-    [R] bool (noise None: every row greedy).
+    [R] bool (noise None: every row greedy); allow(k, prev) (this reference only): [R, K] bool, the candidates step
+    k may pick given the previous tokens prev [R] (target ids; the anchor at k = 0), or None: all of them.
 
     -> tokens [R, N] int64 target ids, logits [R, N, K] fp32 biased pre-temperature candidate logits (q is their
     softmax at T), confidence logits [R, N] fp32 (None without conf_base).
@@ -32,6 +36,9 @@ def markov_walk_ref(values: Tensor, cand: Tensor, w2_rows: Tensor, w1: Tensor, a
     for k in range(n):
         e = w1[prev].float()  # [R, r]
         lg = values[:, k].float() + scale * torch.einsum("bkr,br->bk", w2_rows[:, k].float(), e)  # [R, K]
+        ok = allow(k, prev) if allow is not None else None
+        if ok is not None:
+            lg = lg.masked_fill(~ok, float("-inf"))
         sel = lg
         if noise is not None:
             sel = torch.where(sampled[:, None], lg / temperature[:, None] + noise[:, k], lg)

@@ -84,7 +84,9 @@ def _serve(args: argparse.Namespace) -> int:
                             max_stop_token_ids=args.max_stop_token_ids, max_abort_ids=args.max_abort_ids,
                             api_keys=_api_keys(args), ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                             ssl_ca_certs=args.ssl_ca_certs, health_port=args.health_port,
-                            http_port=args.http_port, served_model_name=args.served_model_name)
+                            http_port=args.http_port, served_model_name=args.served_model_name,
+                            enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            tool_call_parser=args.tool_call_parser)
     try:
         engine = EngineConfig.from_options({**split_options(vars(args))[0], "target": target})
         pair = PairConfig.from_options(engine, deployment)
@@ -375,6 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve the OpenAI-compatible HTTP API (/v1/models, /v1/completions, "
                         "/v1/chat/completions, /health, /metrics) on this port, with the same keys; 0 picks a free one")
     s.add_argument("--served-model-name", help="the model name HTTP clients send (default: the target as given)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default with tools): the model may call tools (vLLM\'s flag; needs '
+                        "--tool-call-parser)")
+    s.add_argument("--tool-call-parser", choices=["hermes"],
+                   help="how tool calls are read from the output: hermes (<tool_call>{...}</tool_call>, Qwen2.5 and "
+                        "Qwen3)")
     s.add_argument("--health-port", type=int, help="also serve grpc.health.v1 alone on this port, in plaintext (for "
                                                    "Kubernetes gRPC probes, which speak no TLS)")
     s.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest Generate request (default 4 MiB)")

@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from ..drafter import DraftContext, Drafter, DraftUnavailable, draft_input
+from ..grammar_state import has_grammar
 from ..logits_processing import process_logits, step_logprobs
 from ..rejection import verify_mixed
 from ..request import Request
@@ -141,7 +142,7 @@ class Executor:
                 pipeline.keep_drafted(reqs, pos, computed,
                                       draft.propose(draft_input(reqs, contexts, anchors, pos, computed)))
         pipeline.launched = None
-        if not pipeline.step_ahead or max(remaining) <= 0:
+        if not pipeline.step_ahead or max(remaining) <= 0 or has_grammar(reqs):  # masks follow committed tokens
             return
         if not all(self._fits(c + 1 + k, r.target_blocks) for r, c, k in zip(reqs, computed, caps)):
             return

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from ..grammar_state import advance_grammar
 from ..request import FinishReason, Request, StepOutput
 from .kv_manager import KVCacheManager
 from .plan import DecodePlan, PrefillChunk, SchedulerOutput, StepResult
@@ -208,6 +209,7 @@ class Scheduler:
             if len(req.output_ids) >= p.max_tokens:
                 self._finish(req, FinishReason.LENGTH)
                 break
+        advance_grammar(req, tokens[:n])
         return output_of(req, tokens[:n], logprobs[:n] if logprobs is not None else None)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:

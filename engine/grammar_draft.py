@@ -1,0 +1,53 @@
+"""The grammar's masks for the draft's eager Markov walk: step k of a constrained row may only pick what the grammar
+allows after that row's drafts d_0..d_{k-1}, so its drafts stay inside the grammar (more of them are accepted). q
+is the masked distribution each draft was drawn from; a row whose allowed set has nothing the draft can say stays
+unmasked at that step (then q is the unmasked one). The states are left where they were."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .grammar_state import GrammarState, unpack_bitmask
+
+
+class DraftMasks:
+    def __init__(self, states: tuple[GrammarState | None, ...], vocab_size: int, device: torch.device) -> None:
+        """states: per batch row, its grammar at the committed output (None: unconstrained)."""
+        self.rows = [i for i, s in enumerate(states) if s is not None and not s.failed and not s.terminated]
+        self.states = [states[i] for i in self.rows]
+        self.num_rows, self.vocab_size, self.device = len(states), vocab_size, device
+        self.taken = [0] * len(self.rows)  # drafts accepted into each state so far
+        self.alive = [True] * len(self.rows)  # False once a state is past its end or refused a draft
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def allowed(self, k: int, prev: Tensor) -> Tensor:
+        """[R, V] bool (target vocab): what step k may draft; prev [R] the tokens drafted at k - 1 (ignored at k = 0,
+        where they are the anchors). Unconstrained rows allow everything."""
+        if k > 0:
+            for j, tok in enumerate(prev[self.rows].tolist()):
+                m = self.states[j].matcher
+                if self.alive[j] and not m.is_terminated() and m.accept_token(tok):
+                    self.taken[j] += 1
+                else:
+                    self.alive[j] = False
+        bits = self.states[0]._alloc(self.num_rows, self.vocab_size)  # all allowed
+        for j, i in enumerate(self.rows):
+            m = self.states[j].matcher
+            if self.alive[j] and not m.is_terminated():
+                m.fill_next_token_bitmask(bits, i)
+        return unpack_bitmask(bits.to(self.device, non_blocking=True), self.vocab_size)
+
+    def close(self) -> None:
+        """Undo the drafts accepted into the states."""
+        for state, n in zip(self.states, self.taken):
+            state.rollback(n)
+        self.taken = [0] * len(self.rows)
+
+
+def masked(logits: Tensor, allowed: Tensor) -> Tensor:
+    """logits [R, C] over C columns, allowed [R, C] bool -> -inf where refused, on the rows that allow any column."""
+    keep = allowed | ~allowed.any(-1, keepdim=True)  # [R, C]
+    return logits.masked_fill(~keep, float("-inf"))
