@@ -1,5 +1,6 @@
 """The service end to end: real Ray actors (draft and verifier), the gloo step channel, real gRPC on 127.0.0.1."""
 
+import json
 import threading
 import time
 
@@ -18,6 +19,9 @@ from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 MAX_QUEUE = 24
 
 
+ALL_DRAFTS = {"enable_adaptive_verification": False}
+
+
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
     return random_pair(tmp_path_factory.mktemp("pair"), agree=0.005, block_size=6)
@@ -25,14 +29,16 @@ def pair_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(pair_dirs):
-    srv = ServerProcess(*pair_dirs, "--max-queue", str(MAX_QUEUE), "--max-model-len", "4096", "--no-colocate")
+    # every capped draft verified, here and in `local`: served sampling is compared token for token with it
+    srv = ServerProcess(*pair_dirs, "--max-queue", str(MAX_QUEUE), "--max-model-len", "4096", "--no-colocate",
+                        "--speculative-config", json.dumps(ALL_DRAFTS))
     yield srv
     srv.kill()
 
 
 @pytest.fixture(scope="module")
 def local(pair_dirs):
-    return LLM(str(pair_dirs[0]), str(pair_dirs[1]), device="cpu", block_size=8)
+    return LLM(str(pair_dirs[0]), str(pair_dirs[1]), ALL_DRAFTS, device="cpu", block_size=8)
 
 
 @pytest.fixture
