@@ -177,3 +177,21 @@ def test_greedy_equals_plain_for_any_lengths_changing_every_step(static, monkeyp
         keys = set(llm.target.graphs._runners)
         assert any(t < b * 7 for b, t, _, _ in keys)  # steps shorter than every row at full
         assert any(split for *_, split in keys) and any(not split for *_, split in keys)  # split on device / host
+
+
+def test_the_host_share_of_a_step_is_learned_and_shifts_the_budget():
+    """Steps whose wall time is mostly the host's (a busy Python step loop): the host's share is measured from the
+    steps' wall times and added to each step's device time, so verifying more drafts per step (more tokens for the
+    same host time) becomes worth it where the device table alone said no."""
+    reqs = _reqs(8)
+    costs = StepCosts.linear(1.0, 0.05, 0.5, 0.0)
+    policy = SpecPolicy(4, True, costs=costs)
+    caps, pinned = [4] * 8, [False] * 8
+    before = policy.view(reqs).budget(reqs, caps, pinned)
+    for _ in range(50):
+        policy.timed(8, 8, False, 1.4 + 20.0)  # each step took 20 ms more than its device time
+        policy.timed(8, 40, True, 1.0 + 0.05 * 40 + 0.5 + 20.0)
+    policy._view = None
+    after = policy.view(reqs)
+    assert after.host(8, False) == pytest.approx(20.0, rel=0.05) and after.host(8, True) == pytest.approx(20.0, rel=0.05)
+    assert after.budget(reqs, caps, pinned) > before

@@ -30,6 +30,7 @@ class EngineCore:
         self._adds: list[Request] = []
         self._aborts: list[str] = []
         self._live: set[str] = set()  # ids added and not yet finished
+        self._timing: tuple[float, tuple | None] | None = None  # the last step's start and its decode shape
 
     @property
     def kv(self):
@@ -76,6 +77,7 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         """Apply the inbox, plan the step, run it, commit it -> each request's new tokens of this step."""
         with self._lock:
+            self._time_last_step()
             outputs = self._apply_inbox()
             plan = self.scheduler.schedule()
             result = self.executor.execute(plan)
@@ -83,7 +85,18 @@ class EngineCore:
             if result.draft_lost:
                 self.scheduler.set_draft(None, None)
             self._forget([o for o in outputs if o.finish_reason is not None])
+            d = plan.decode
+            if d is not None and not plan.prefill and self.scheduler.has_unfinished():  # a pure decode step, more to come
+                self._timing = (self._timing[0], (len(d.reqs), len(d.reqs) + sum(r.verified for r in result.decoded),
+                                                  result.drafted))
             return outputs
+
+    def _time_last_step(self) -> None:
+        """The wall time from the last step's start to this one's goes to the policy (decode steps only)."""
+        now = time.perf_counter()
+        last, self._timing = self._timing, (now, None)
+        if last is not None and last[1] is not None and self.scheduler.policy is not None:
+            self.scheduler.policy.timed(*last[1], (now - last[0]) * 1e3)
 
     def set_draft(self, draft: Drafter | None) -> None:
         """Swap the draft between steps (None: plain decoding). Requests already queued or running decode plainly

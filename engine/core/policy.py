@@ -4,8 +4,11 @@ Survival of draft slot k is the chance that drafts 0..k are all accepted: the ru
 conditional confidences c_0..c_k, each corrected by the acceptance measured online at its position (per request,
 shrunk towards the server-wide estimate; without a confidence head the online estimate alone). The scheduler
 sizes the step's budget B of verified drafts from what is known before the step's drafts exist (the survivals of
-each request's previous step) and the measured step costs, maximising expected tokens per millisecond; the executor
-then gives B to the slots with the highest survivals across the batch (engine/draft_split.py, on the device).
+each request's previous drafts) and what a step costs, maximising expected tokens per millisecond: the device's
+time from the tables measured at start (StepCosts) plus the host's share of a step, measured online per batch size
+(the step's wall time less its device time); the executor then gives B to the slots with the highest survivals
+across the batch (engine/draft_split.py, on the device). The estimates are refreshed every REFRESH_STEPS steps or
+when the batch changes, so a step costs the policy a few lookups.
 
 Lossless: whether slot k is verified depends on c_0..c_k (which depend on the drafts before k, never on draft k),
 on slots of other requests, and on the past; never on draft k itself.
@@ -28,6 +31,8 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations of the server-wide correction behind e
 DECAY = 0.97  # weight of older observations per new one, so the estimates follow a changing text
 NO_HEAD_PRIOR = 0.6  # conditional acceptance assumed per position before anything is measured (no confidence head)
 EXPLORE_EVERY = 16  # steps without a draft after which one drafts anyway, so the estimates keep up with the text
+REFRESH_STEPS = 4  # steps a view serves an unchanged batch before the estimates are folded in again
+HOST_EMA = 0.1  # weight of a new step's measured host time
 
 
 def cap_drafts(pinned_or_default: int, max_drafts: int, remaining: int) -> int:
@@ -52,6 +57,8 @@ class PolicyView:
     max_verify_tokens: int = 0  # > 0: at most this many drafts a step
     token_limit: int = 1 << 30  # tokens a decode step may take (the step's token budget)
     explore: bool = False  # draft even when no draft seems worth its cost (the estimates are stale)
+    host_ms: dict | None = None  # (batch bucket, drafted) -> the host's measured ms a step beyond the device's
+    _budgets: dict | None = None  # budgets already computed from this view
 
     def _rows(self, table: np.ndarray, default: np.ndarray, reqs: list[Request]) -> np.ndarray:
         rows = [self.index.get(r, -1) for r in reqs]
@@ -72,6 +79,24 @@ class PolicyView:
             limit = min(limit, self.max_verify_tokens)
         if not self.enabled or self.costs is None or total == fixed:
             return min(total, limit)
+        key = (tuple(map(id, reqs)), tuple(caps), tuple(pinned), limit)
+        if self._budgets is not None and key in self._budgets:
+            return self._budgets[key]
+        best = self._best_budget(reqs, caps, pinned, fixed, limit)
+        if self._budgets is not None:
+            self._budgets[key] = best
+        return best
+
+    def host(self, num_reqs: int, drafted: bool) -> float:
+        """The host's ms a step of num_reqs rows beyond its device time (measured; 0 before any measurement)."""
+        if not self.host_ms:
+            return 0.0
+        b = next((k for k in sorted({k for k, _ in self.host_ms}) if k >= num_reqs), None)
+        got = [self.host_ms.get((b, d)) for d in (drafted, not drafted)] if b is not None else []
+        return next((x for x in got if x is not None), 0.0)
+
+    def _best_budget(self, reqs: list[Request], caps: list[int], pinned: list[bool], fixed: int, limit: int) -> int:
+        num_reqs = len(reqs)
         surv = self._rows(self.survival, self.default_survival, reqs)  # [R, N]
         in_cap = np.arange(self.num_drafts)[None, :] < np.asarray(caps)[:, None]
         is_pinned = np.asarray(pinned, dtype=bool)[:, None]
@@ -84,7 +109,8 @@ class PolicyView:
             if fixed + extra > limit:
                 break
             drafts = fixed + extra
-            ms = self.costs.verify_ms(num_reqs, num_reqs + drafts) + (self.costs.draft_ms(num_reqs) if drafts else 0.0)
+            ms = self.costs.verify_ms(num_reqs, num_reqs + drafts) + \
+                (self.costs.draft_ms(num_reqs) + self.host(num_reqs, True) if drafts else self.host(num_reqs, False))
             rate = (num_reqs + fixed_gain + float(gain[extra])) / max(ms, 1e-6)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = drafts, rate
@@ -103,7 +129,8 @@ def fixed_view(num_drafts: int, token_limit: int, max_verify_tokens: int = 0) ->
 class SpecPolicy:
     """The online acceptance estimates behind the views, server-wide and per request (a row of arrays each): per
     draft position, decayed counts of slots reached (every earlier draft accepted, this one verified), of those
-    accepted, and the sum of their predicted c_k (1 without a confidence head)."""
+    accepted, and the sum of their predicted c_k (1 without a confidence head). Observations are buffered and
+    folded in when a view is refreshed."""
 
     def __init__(self, num_drafts: int, has_confidence: bool, enabled: bool = True, costs: StepCosts | None = None,
                  max_verify_tokens: int = 0) -> None:
@@ -118,13 +145,18 @@ class SpecPolicy:
         self._counts = np.zeros((16, 3, n))  # [rows, (reached, accepted, predicted), N]
         self._conf = np.zeros((16, n))  # [rows, N] c_k of each request's last draft
         self._has_conf = np.zeros(16, dtype=bool)
+        self._pending: list[tuple] = []  # observations not folded in yet
         self._undrafted = 0  # decode steps since one drafted
+        self._view: PolicyView | None = None
+        self._view_key: tuple = ()
+        self._age = 0
+        self._host: dict = {}  # (batch bucket, drafted) -> ms
 
     def _row(self, req: Request) -> int:
         row = self._rows.get(req)
         if row is None:
             if not self._free:
-                grow = max(16, len(self._counts))
+                grow = len(self._counts)
                 self._free = list(range(len(self._counts), len(self._counts) + grow))
                 self._counts = np.concatenate([self._counts, np.zeros((grow, 3, self.num_drafts))])
                 self._conf = np.concatenate([self._conf, np.zeros((grow, self.num_drafts))])
@@ -138,7 +170,30 @@ class SpecPolicy:
                 conf: list[list[float] | None]) -> None:
         """One step of these requests: drafts verified and accepted, and each draft's c_k (None: no draft ran, or
         no confidence head)."""
-        keep = [i for i, (v, c) in enumerate(zip(verified, conf)) if v > 0 or c is not None]
+        self._pending.append((reqs, verified, accepted, conf))
+
+    def timed(self, num_reqs: int, num_tokens: int, drafted: bool, wall_ms: float) -> None:
+        """A decode step's wall time (from its start to the next step's): what the host added to its device time
+        becomes the estimate for its batch bucket."""
+        if self.costs is None:
+            return
+        device = self.costs.verify_ms(num_reqs, num_tokens) + (self.costs.draft_ms(num_reqs) if drafted else 0.0)
+        b = next((b for b, _ in self.costs.verify if b >= num_reqs), self.costs.verify[-1][0])
+        old = self._host.get((b, drafted))
+        sample = max(0.0, wall_ms - device)
+        if old is not None:
+            sample = min(sample, 3 * old + 1.0)  # an idle gap or a stall is not a step's cost
+        self._host[b, drafted] = sample if old is None else (1 - HOST_EMA) * old + HOST_EMA * sample
+
+    def _fold(self) -> None:
+        pending, self._pending = self._pending, []
+        for step in pending:
+            self._fold_step(*step)
+
+    def _fold_step(self, reqs: list[Request], verified: list[int], accepted: list[int],
+                   conf: list[list[float] | None]) -> None:
+        keep = [i for i, (v, c) in enumerate(zip(verified, conf)) if (v > 0 or c is not None) and reqs[i].finish_reason
+                is None]
         if not keep:
             return
         n = self.num_drafts
@@ -147,47 +202,57 @@ class SpecPolicy:
         k = np.arange(n)[None, :]
         reached = k < np.minimum(a + 1, v)[:, None]  # [R', N]
         hit = (k < a[:, None]) & reached
-        with_conf = [i for i in keep if conf[i] is not None] if self.has_confidence else []
+        with_conf = [j for j, i in enumerate(keep) if conf[i] is not None] if self.has_confidence else []
         pred = np.ones((len(keep), n))
         if with_conf:
-            where = [keep.index(i) for i in with_conf]
-            c = np.asarray([conf[i] for i in with_conf])
-            pred[where] = c
-            self._conf[[rows[j] for j in where]] = c
-            self._has_conf[[rows[j] for j in where]] = True
+            c = np.asarray([conf[keep[j]] for j in with_conf])
+            pred[with_conf] = c
+            self._conf[[rows[j] for j in with_conf]] = c
+            self._has_conf[[rows[j] for j in with_conf]] = True
         obs = np.stack([reached, hit, reached * pred], 1).astype(float)  # [R', 3, N]
         counts = self._counts[rows]
         self._counts[rows] = np.where(reached[:, None, :], counts * DECAY + obs, counts)
-        seen = reached.sum(0)  # [N]
-        self._global = self._global * DECAY ** seen + obs.sum(0)
+        self._global = self._global * DECAY ** reached.sum(0) + obs.sum(0)
 
     def stepped(self, drafted: bool) -> None:
         """A decode step ended; it drafted or not."""
         self._undrafted = 0 if drafted else self._undrafted + 1
+        self._age += 1
 
     def forget(self, req: Request) -> None:
         row = self._rows.pop(req, None)
         if row is not None:
             self._free.append(row)
+            self._view = None
 
     def view(self, reqs: list[Request], token_limit: int = 1 << 30) -> PolicyView:
-        """The estimates of `reqs` as they stand, for sizing their next steps."""
+        """The estimates of `reqs`, for sizing their next steps: the last view while the batch is unchanged and
+        fresh (REFRESH_STEPS), else refreshed."""
         if not self.enabled:
             return fixed_view(self.num_drafts, token_limit, self.max_verify_tokens)
+        key = (tuple(map(id, reqs)), token_limit, self._undrafted >= EXPLORE_EVERY)
+        if self._view is not None and key == self._view_key and self._age < REFRESH_STEPS:
+            return self._view
+        self._fold()
+        self._view, self._view_key, self._age = self._build(reqs, token_limit), key, 0
+        return self._view
+
+    def _build(self, reqs: list[Request], token_limit: int) -> PolicyView:
         reached, acc, pred = self._global
         prior = np.where(pred > 0, acc / np.maximum(pred, 1e-12), 1.0)  # [N] server-wide correction
         default_cond = np.minimum(np.where(reached > 0, acc / np.maximum(reached, 1e-12), NO_HEAD_PRIOR), MAX_COND)
         rows = [self._rows.get(r, -1) for r in reqs]
+        at = [max(i, 0) for i in rows]
         known = np.asarray([i >= 0 for i in rows], dtype=bool)
-        counts = self._counts[[max(i, 0) for i in rows]] if rows else np.zeros((0, 3, self.num_drafts))
+        counts = self._counts[at]
         ratio = (counts[:, 1] + PRIOR_WEIGHT * prior) / (counts[:, 2] + PRIOR_WEIGHT)  # [R, N]
         ratio = np.where(known[:, None], ratio, prior)
-        conf_known = known & self._has_conf[[max(i, 0) for i in rows]] if rows else known
         if self.has_confidence:
-            last = self._conf[[max(i, 0) for i in rows]] if rows else np.zeros((0, self.num_drafts))
-            cond = np.where(conf_known[:, None], np.minimum(last * ratio, MAX_COND), default_cond)
+            has = known & self._has_conf[at]
+            cond = np.where(has[:, None], np.minimum(self._conf[at] * ratio, MAX_COND), default_cond)
         else:
             cond = np.minimum(ratio, MAX_COND)
         return PolicyView(True, self.num_drafts, self.costs, {r: i for i, r in enumerate(reqs)}, ratio,
                           np.cumprod(cond, -1), prior, np.cumprod(default_cond), self.max_verify_tokens,
-                          token_limit, explore=self._undrafted >= EXPLORE_EVERY)
+                          token_limit, explore=self._undrafted >= EXPLORE_EVERY, host_ms=dict(self._host),
+                          _budgets={})
