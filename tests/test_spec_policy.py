@@ -195,3 +195,15 @@ def test_the_host_share_of_a_step_is_learned_and_shifts_the_budget():
     after = policy.view(reqs)
     assert after.host(8, False) == pytest.approx(20.0, rel=0.05) and after.host(8, True) == pytest.approx(20.0, rel=0.05)
     assert after.budget(reqs, caps, pinned) > before
+
+
+def test_a_plain_step_is_explored_while_drafting_until_its_host_time_is_known():
+    reqs = _reqs(4)
+    policy = SpecPolicy(4, True, costs=StepCosts.linear(1.0, 0.0, 0.1, 0.0))  # drafting always looks worth it
+    budgets = []
+    for _ in range(40):
+        budgets.append(policy.view(reqs).budget(reqs, [4] * 4, [False] * 4))
+        policy.stepped(drafted=budgets[-1] > 0)
+        if budgets[-1] == 0:
+            policy.timed(4, 4, False, 5.0)
+    assert budgets.count(0) == 1 and budgets.index(0) >= 16  # one plain step, after 16 drafting ones

@@ -31,6 +31,7 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations of the server-wide correction behind e
 DECAY = 0.97  # weight of older observations per new one, so the estimates follow a changing text
 NO_HEAD_PRIOR = 0.6  # conditional acceptance assumed per position before anything is measured (no confidence head)
 EXPLORE_EVERY = 16  # steps without a draft after which one drafts anyway, so the estimates keep up with the text
+PLAIN_EVERY = 256  # drafting steps after which one step is plain, so the host's share of a plain step stays known
 REFRESH_STEPS = 4  # steps a view serves an unchanged batch before the estimates are folded in again
 HOST_EMA = 0.1  # weight of a new step's measured host time
 
@@ -57,6 +58,7 @@ class PolicyView:
     max_verify_tokens: int = 0  # > 0: at most this many drafts a step
     token_limit: int = 1 << 30  # tokens a decode step may take (the step's token budget)
     explore: bool = False  # draft even when no draft seems worth its cost (the estimates are stale)
+    explore_plain: bool = False  # a plain step, whatever the drafts seem worth (its host time is unknown or stale)
     host_ms: dict | None = None  # (batch bucket, drafted) -> the host's measured ms a step beyond the device's
     _budgets: dict | None = None  # budgets already computed from this view
 
@@ -116,6 +118,8 @@ class PolicyView:
                 best, best_rate = drafts, rate
             if drafts and rate > best_drafting_rate * (1 + 1e-9):
                 best_drafting, best_drafting_rate = drafts, rate
+        if self.explore_plain and fixed == 0:
+            return 0
         return best_drafting if best == 0 and self.explore else best
 
 
@@ -147,6 +151,7 @@ class SpecPolicy:
         self._has_conf = np.zeros(16, dtype=bool)
         self._pending: list[tuple] = []  # observations not folded in yet
         self._undrafted = 0  # decode steps since one drafted
+        self._drafted = 0  # decode steps since one was plain
         self._view: PolicyView | None = None
         self._view_key: tuple = ()
         self._age = 0
@@ -217,7 +222,16 @@ class SpecPolicy:
     def stepped(self, drafted: bool) -> None:
         """A decode step ended; it drafted or not."""
         self._undrafted = 0 if drafted else self._undrafted + 1
+        self._drafted = self._drafted + 1 if drafted else 0
         self._age += 1
+
+    def _plain_due(self, num_reqs: int) -> bool:
+        """A plain step is due: the host's share of one is unknown for this batch size (after EXPLORE_EVERY
+        drafting steps), or PLAIN_EVERY drafting steps passed."""
+        if self.costs is None:
+            return False
+        b = next((b for b, _ in self.costs.verify if b >= num_reqs), self.costs.verify[-1][0])
+        return self._drafted >= (EXPLORE_EVERY if (b, False) not in self._host else PLAIN_EVERY)
 
     def forget(self, req: Request) -> None:
         row = self._rows.pop(req, None)
@@ -230,7 +244,7 @@ class SpecPolicy:
         fresh (REFRESH_STEPS), else refreshed."""
         if not self.enabled:
             return fixed_view(self.num_drafts, token_limit, self.max_verify_tokens)
-        key = (tuple(map(id, reqs)), token_limit, self._undrafted >= EXPLORE_EVERY)
+        key = (tuple(map(id, reqs)), token_limit, self._undrafted >= EXPLORE_EVERY, self._plain_due(len(reqs)))
         if self._view is not None and key == self._view_key and self._age < REFRESH_STEPS:
             return self._view
         self._fold()
@@ -254,5 +268,6 @@ class SpecPolicy:
             cond = np.minimum(ratio, MAX_COND)
         return PolicyView(True, self.num_drafts, self.costs, {r: i for i, r in enumerate(reqs)}, ratio,
                           np.cumprod(cond, -1), prior, np.cumprod(default_cond), self.max_verify_tokens,
-                          token_limit, explore=self._undrafted >= EXPLORE_EVERY, host_ms=dict(self._host),
+                          token_limit, explore=self._undrafted >= EXPLORE_EVERY,
+                          explore_plain=self._plain_due(len(reqs)), host_ms=dict(self._host),
                           _budgets={})
