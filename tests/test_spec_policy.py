@@ -132,7 +132,10 @@ def test_the_policy_explores_after_steps_without_a_draft():
     assert policy.view(reqs).budget(reqs, [4, 4], [False, False]) == 0
     for _ in range(16):
         policy.stepped(drafted=False)
-    assert policy.view(reqs).budget(reqs, [4, 4], [False, False]) > 0
+    for _ in range(3):  # a run of drafting steps
+        assert policy.view(reqs).budget(reqs, [4, 4], [False, False]) > 0
+        policy.stepped(drafted=True)
+    assert policy.view(reqs).budget(reqs, [4, 4], [False, False]) == 0
 
 
 def test_the_probe_measures_a_monotone_table_on_cpu():
@@ -200,10 +203,13 @@ def test_the_host_share_of_a_step_is_learned_and_shifts_the_budget():
 def test_a_plain_step_is_explored_while_drafting_until_its_host_time_is_known():
     reqs = _reqs(4)
     policy = SpecPolicy(4, True, costs=StepCosts.linear(1.0, 0.0, 0.1, 0.0))  # drafting always looks worth it
-    budgets = []
-    for _ in range(40):
+    budgets, last = [], True
+    for _ in range(60):
         budgets.append(policy.view(reqs).budget(reqs, [4] * 4, [False] * 4))
-        policy.stepped(drafted=budgets[-1] > 0)
-        if budgets[-1] == 0:
-            policy.timed(4, 4, False, 5.0)
-    assert budgets.count(0) == 1 and budgets.index(0) >= 16  # one plain step, after 16 drafting ones
+        drafted = budgets[-1] > 0
+        policy.stepped(drafted)
+        if not drafted:
+            policy.timed(4, 4, False, 5.0, steady=not last)  # the first plain step is not counted
+        last = drafted
+    first = budgets.index(0)
+    assert first >= 16 and budgets[first:first + 3] == [0, 0, 0] and budgets.count(0) == 3  # one run of 3

@@ -31,6 +31,7 @@ class EngineCore:
         self._aborts: list[str] = []
         self._live: set[str] = set()  # ids added and not yet finished
         self._timing: tuple[float, tuple | None] | None = None  # the last step's start and its decode shape
+        self._drafted = False  # whether the last decode step drafted
 
     @property
     def kv(self):
@@ -88,7 +89,8 @@ class EngineCore:
             d = plan.decode
             if d is not None and not plan.prefill and self.scheduler.has_unfinished():  # a pure decode step, more to come
                 self._timing = (self._timing[0], (len(d.reqs), len(d.reqs) + sum(r.verified for r in result.decoded),
-                                                  result.drafted))
+                                                  result.drafted, result.drafted == self._drafted))
+            self._drafted = result.drafted if d is not None else self._drafted
             return outputs
 
     def _time_last_step(self) -> None:
@@ -96,7 +98,8 @@ class EngineCore:
         now = time.perf_counter()
         last, self._timing = self._timing, (now, None)
         if last is not None and last[1] is not None and self.scheduler.policy is not None:
-            self.scheduler.policy.timed(*last[1], (now - last[0]) * 1e3)
+            num_reqs, num_tokens, drafted, steady = last[1]
+            self.scheduler.policy.timed(num_reqs, num_tokens, drafted, (now - last[0]) * 1e3, steady)
 
     def set_draft(self, draft: Drafter | None) -> None:
         """Swap the draft between steps (None: plain decoding). Requests already queued or running decode plainly

@@ -32,6 +32,8 @@ DECAY = 0.97  # weight of older observations per new one, so the estimates follo
 NO_HEAD_PRIOR = 0.6  # conditional acceptance assumed per position before anything is measured (no confidence head)
 EXPLORE_EVERY = 16  # steps without a draft after which one drafts anyway, so the estimates keep up with the text
 PLAIN_EVERY = 256  # drafting steps after which one step is plain, so the host's share of a plain step stays known
+EXPLORE_RUN = 3  # steps an exploration lasts: the first step after a switch carries the last one's queued work,
+# so only the steps after it are timed
 REFRESH_STEPS = 4  # steps a view serves an unchanged batch before the estimates are folded in again
 HOST_EMA = 0.1  # weight of a new step's measured host time
 
@@ -152,6 +154,7 @@ class SpecPolicy:
         self._pending: list[tuple] = []  # observations not folded in yet
         self._undrafted = 0  # decode steps since one drafted
         self._drafted = 0  # decode steps since one was plain
+        self._exploring = False  # a run of steps against the estimates is on
         self._view: PolicyView | None = None
         self._view_key: tuple = ()
         self._age = 0
@@ -177,10 +180,11 @@ class SpecPolicy:
         no confidence head)."""
         self._pending.append((reqs, verified, accepted, conf))
 
-    def timed(self, num_reqs: int, num_tokens: int, drafted: bool, wall_ms: float) -> None:
+    def timed(self, num_reqs: int, num_tokens: int, drafted: bool, wall_ms: float, steady: bool = True) -> None:
         """A decode step's wall time (from its start to the next step's): what the host added to its device time
-        becomes the estimate for its batch bucket."""
-        if self.costs is None:
+        becomes the estimate for its batch bucket. Not `steady` (the step before it drafted or not as it did not):
+        it carries the other kind's queued work, and is not counted."""
+        if self.costs is None or not steady:
             return
         device = self.costs.verify_ms(num_reqs, num_tokens) + (self.costs.draft_ms(num_reqs) if drafted else 0.0)
         b = next((b for b, _ in self.costs.verify if b >= num_reqs), self.costs.verify[-1][0])
@@ -223,15 +227,26 @@ class SpecPolicy:
         """A decode step ended; it drafted or not."""
         self._undrafted = 0 if drafted else self._undrafted + 1
         self._drafted = self._drafted + 1 if drafted else 0
+        if self._exploring and max(self._drafted, self._undrafted) >= EXPLORE_RUN:
+            self._exploring = False
         self._age += 1
 
+    def _explore_drafting(self) -> bool:
+        """Draft whatever the drafts seem worth: EXPLORE_EVERY plain steps passed (until EXPLORE_RUN drafted)."""
+        due = self._undrafted >= EXPLORE_EVERY or (self._exploring and 0 < self._drafted < EXPLORE_RUN)
+        self._exploring |= due
+        return due
+
     def _plain_due(self, num_reqs: int) -> bool:
-        """A plain step is due: the host's share of one is unknown for this batch size (after EXPLORE_EVERY
-        drafting steps), or PLAIN_EVERY drafting steps passed."""
+        """Plain steps are due (EXPLORE_RUN of them): the host's share of one is unknown for this batch size (after
+        EXPLORE_EVERY drafting steps), or PLAIN_EVERY drafting steps passed."""
         if self.costs is None:
             return False
         b = next((b for b, _ in self.costs.verify if b >= num_reqs), self.costs.verify[-1][0])
-        return self._drafted >= (EXPLORE_EVERY if (b, False) not in self._host else PLAIN_EVERY)
+        due = self._drafted >= (EXPLORE_EVERY if (b, False) not in self._host else PLAIN_EVERY) \
+            or (self._exploring and 0 < self._undrafted < EXPLORE_RUN)
+        self._exploring |= due
+        return due
 
     def forget(self, req: Request) -> None:
         row = self._rows.pop(req, None)
@@ -244,14 +259,14 @@ class SpecPolicy:
         fresh (REFRESH_STEPS), else refreshed."""
         if not self.enabled:
             return fixed_view(self.num_drafts, token_limit, self.max_verify_tokens)
-        key = (tuple(map(id, reqs)), token_limit, self._undrafted >= EXPLORE_EVERY, self._plain_due(len(reqs)))
+        key = (tuple(map(id, reqs)), token_limit, self._explore_drafting(), self._plain_due(len(reqs)))
         if self._view is not None and key == self._view_key and self._age < REFRESH_STEPS:
             return self._view
         self._fold()
-        self._view, self._view_key, self._age = self._build(reqs, token_limit), key, 0
+        self._view, self._view_key, self._age = self._build(reqs, token_limit, key), key, 0
         return self._view
 
-    def _build(self, reqs: list[Request], token_limit: int) -> PolicyView:
+    def _build(self, reqs: list[Request], token_limit: int, key: tuple) -> PolicyView:
         reached, acc, pred = self._global
         prior = np.where(pred > 0, acc / np.maximum(pred, 1e-12), 1.0)  # [N] server-wide correction
         default_cond = np.minimum(np.where(reached > 0, acc / np.maximum(reached, 1e-12), NO_HEAD_PRIOR), MAX_COND)
@@ -268,6 +283,5 @@ class SpecPolicy:
             cond = np.minimum(ratio, MAX_COND)
         return PolicyView(True, self.num_drafts, self.costs, {r: i for i, r in enumerate(reqs)}, ratio,
                           np.cumprod(cond, -1), prior, np.cumprod(default_cond), self.max_verify_tokens,
-                          token_limit, explore=self._undrafted >= EXPLORE_EVERY,
-                          explore_plain=self._plain_due(len(reqs)), host_ms=dict(self._host),
+                          token_limit, explore=key[2], explore_plain=key[3], host_ms=dict(self._host),
                           _budgets={})
