@@ -189,7 +189,8 @@ class VerifierActor:
                 c["steps"] += o.stats["steps"]
                 c["accepted"] += o.stats["accepted"]
         if outs:
-            self.stream.send(("step", [tuple(o) if o.logprobs is not None else o[:4] for o in outs]))
+            self.stream.send(("step", [o[:4] if o.logprobs is None and o.prompt_logprobs is None else tuple(o)
+                                       for o in outs]))
 
     def drain(self) -> bool:
         self._draining = True

@@ -1,5 +1,5 @@
-"""A step's per-request logits processing: penalties and min_tokens before verification, logprobs after. Host
-lists become tensors for the rows that ask only; a batch where none asks costs nothing."""
+"""A step's per-request logits processing: logit_bias, penalties and min_tokens before verification, logprobs after.
+Host lists become tensors for the rows that ask only; a batch where none asks costs nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .logprobs import token_logprobs, unpack_row
-from .penalties import apply_penalties, counts_before, mask_before_min, token_counts
+from .penalties import add_logit_bias, apply_penalties, counts_before, mask_before_min, token_counts
 from .request import Request
 
 
@@ -49,9 +49,10 @@ def _prompt_mask(r: Request, vocab_size: int, device: torch.device) -> Tensor:
 
 def process_logits(reqs: list[Request], logits: Tensor, drafts: Tensor | None,
                    pending: list[list[int]] | None = None) -> Tensor:
-    """Penalties and min_tokens on the rows whose requests set them, in place. logits [R, W, V]: position j of row
-    b is the token after its anchor and drafts[b, :j] (drafts [R, >= W - 1] on the device, or None when W = 1);
-    pending[b]: tokens committed after r.output_ids that it does not hold yet (a step launched ahead)."""
+    """logit_bias, min_tokens and the penalties (in that order) on the rows whose requests set them, in place.
+    logits [R, W, V]: position j of row b is the token after its anchor and drafts[b, :j] (drafts [R, >= W - 1] on
+    the device, or None when W = 1); pending[b]: tokens committed after r.output_ids that it does not hold yet (a
+    step launched ahead)."""
     rows = [i for i, r in enumerate(reqs) if r.params.processes_logits]
     if not rows:
         return logits
@@ -63,6 +64,11 @@ def process_logits(reqs: list[Request], logits: Tensor, drafts: Tensor | None,
                       [r.params.frequency_penalty for r in sub]], torch.float32, dev)
     ints = _upload([[len(o) for o in outputs], [r.params.min_tokens for r in sub]], torch.int64, dev)
     x = logits[idx]  # [R', W, V]
+    if any(r.params.logit_bias for r in sub):
+        pairs = [r.params.logit_bias or ((0, 0.0),) for r in sub]
+        ids = _upload(_padded([[t for t, _ in p] for p in pairs]), torch.int64, dev)  # [R', B]
+        biases = _upload([[b for _, b in p] + [0.0] * (ids.shape[1] - len(p)) for p in pairs], torch.float32, dev)
+        x = add_logit_bias(x, ids, biases)
     if any(r.params.min_tokens > 0 for r in sub):
         banned = torch.zeros(len(sub), vocab_size, dtype=torch.bool, device=dev)
         ids = _upload(_padded([list(r.banned_before_min) for r in sub]), torch.int64, dev)

@@ -9,6 +9,7 @@ import torch
 
 from .drafter import Drafter, DraftUnavailable
 from .logits_processing import process_logits, step_logprobs
+from .prompt_logprobs import prefill_fresh, with_prompt_logprobs
 from .rejection import verify_mixed
 from .request import FinishReason, Request, StepOutput
 from .spec_config import SpeculativeConfig
@@ -193,7 +194,7 @@ class Scheduler:
         return self._prefill_fresh(fresh) if fresh else []
 
     def _prefill_fresh(self, reqs: list[Request]) -> list[StepOutput]:
-        logits, feats = self.target.run(reqs, [r.prompt_ids for r in reqs], last_only=True)
+        logits, feats, prompt_lps = prefill_fresh(self.target, reqs)
         logits = process_logits(reqs, logits, None)
         p = sampling_tensors(reqs, self.target.device)
         positions = torch.tensor([[len(r.prompt_ids)] for r in reqs], device=self.target.device)
@@ -211,7 +212,7 @@ class Scheduler:
             if f is not None and self.draft is not None:
                 r.pending_features.append(f)
             outputs.append(self._emit(r, [tok], lp.of_row(lp_values, i, [tok]) if lp is not None else None))
-        return outputs
+        return with_prompt_logprobs(outputs, prompt_lps)
 
     def _decode(self, reqs: list[Request]) -> list[StepOutput]:
         result = spec_step(self.target, self.draft, reqs, self.spec, self.pipeline)
