@@ -13,6 +13,8 @@ _FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "igno
            "skip_special_tokens", "n", "prompt_logprobs")
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORTED}
 MAX_REQUEST_ID_CHARS = 256
+NO_STATS = {"steps": 0, "drafted": 0, "accepted": 0, "tau": 0.0, "per_position_accepted": [], "accepted_per_step": [],
+            "draft_ms": 0.0, "verify_ms": 0.0}  # the stats of a sequence the step loop did not end itself
 
 
 def check_limits(req: pb.GenerateRequest, cfg: GatewayConfig) -> None:

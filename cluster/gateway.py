@@ -8,7 +8,7 @@ import gc
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -344,19 +344,23 @@ class GatewayCore:
         if req.WhichOneof("input") == "chat" and not req.sampling.HasField("max_tokens"):
             params["max_tokens"] = self.info["max_model_len"] - num_prompt_tokens
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float, pair_gone: Callable[[], Awaitable[bool]] | None = None) -> None:
         """Stop admitting, let running requests finish (up to timeout_s), then end the rest: each gets a final
-        message with finish_reason ABORTED before the server stops."""
+        message with finish_reason ABORTED before the server stops. When `pair_gone()` turns true (the pair is being
+        stopped under the server) nothing more is waited for."""
         self.draining = True
         loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        while self.live and loop.time() < end:
+        end, gone = loop.time() + timeout_s, False
+        while self.live and loop.time() < end and not gone:
             await asyncio.sleep(0.05)
+            gone = pair_gone is not None and await pair_gone()
         if self.live and self.conn is not None:
             self.conn.send(("abort", list(self.live)))
-            end = loop.time() + PAIR_TIMEOUT_S
+            end = loop.time() + (1.0 if gone else PAIR_TIMEOUT_S)
             while self.live and loop.time() < end:
                 await asyncio.sleep(0.02)
+        for key in list(self.live):  # the pair did not end them: they end here
+            self._deliver(key, (key, [], "abort", convert.NO_STATS))
 
 
 def _token_text(tokenizer_json: str) -> TokenText:

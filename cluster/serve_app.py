@@ -135,7 +135,7 @@ class DSpark:
             _fail(grpc_context, e)
 
     async def check_health(self) -> None:
-        """The real request path: a dead or stalled step loop fails the replica."""
+        """The real request path: a dead or failed step loop fails the replica (a long step does not)."""
         health = await self.pair.verifier.health.remote()
         if not health["ok"]:
             raise RuntimeError(f"step loop unhealthy: {health}")
