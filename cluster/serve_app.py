@@ -29,7 +29,8 @@ from .metrics import GaugeRefresher, RaySink, ServingMetrics, log_requests_to_st
 BUILTIN_TINY = "builtin:tiny"  # a tiny constructed pair written at startup, with a byte-level tokenizer (laptop / CI)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-GATEWAY_OPTIONS = ("max_queue", "max_request_bytes", "served_model_name")  # the GatewayConfig fields it takes
+GATEWAY_OPTIONS = ("max_queue", "max_request_bytes", "served_model_name", "max_prompt_chars",
+                   "abort_window_s")  # the GatewayConfig fields it takes (the HTTP listener is Serve's proxy)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1000, health_check_period_s=10,
