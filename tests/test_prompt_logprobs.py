@@ -110,3 +110,17 @@ def test_asking_for_prompt_logprobs_changes_no_speculative_output(monkeypatch):
     want = [t for _, t in _run(llm, prompts, plain).values()]
     got = list(_run(llm, prompts, asking).values())
     assert [t for _, t in got] == want and all(len(e) == len(p) for (e, _), p in zip(got, prompts))
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_on_the_demo_target_equal_transformers_fp32():
+    from dspark_serve.models.demo import demo_target_dir
+
+    target = demo_target_dir()
+    if not (target / ".dspark-converted").is_file():
+        pytest.skip(f"demo target not cached at {target}")
+    llm = LLM(target, device="cpu", dtype="float32", num_kv_blocks=64)
+    prompt = llm.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n")
+    [(entries, _)] = _run(llm, [prompt], [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)]).values()
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    _check(entries, prompt, _hf_logprobs(model, prompt), 5, 1e-3)
