@@ -33,6 +33,16 @@ class GatewayConfig:
     served_model_name: str | None = None  # the `model` HTTP clients name; None: the target path as given
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model may call tools (vLLM's flag)
     tool_call_parser: str | None = None  # how calls are read from the output: "hermes" (vLLM's flag)
+    abort_window_s: float = 10.0  # an Abort of a request id not yet known ends that request if it comes this soon
+    max_recent_aborts: int = 10000  # such ids remembered at most (the oldest are forgotten first)
+    # The HTTP listener (uvicorn's and vLLM's names): a request head over this many bytes or headers gets 431
+    h11_max_incomplete_event_size: int = 64 << 10
+    h11_max_header_count: int = 256
+    timeout_keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this long
+    timeout_header_read_s: float = 10.0  # a request head not complete this long after its connection opened (or its
+    # first byte, on a kept-alive connection) gets 408 and the connection is closed (slow clients hold nothing)
+    timeout_body_read_s: float = 30.0  # the same for the body, from the end of the head
+    limit_concurrency: int = 1024  # open HTTP connections; one more gets 503 and is closed
 
     def validate(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -46,6 +56,10 @@ class GatewayConfig:
         if self.tool_call_parser not in (None, "hermes"):
             raise ValueError(f"tool_call_parser must be hermes, got {self.tool_call_parser!r}")
         for name in ("max_request_bytes", "max_control_request_bytes", "max_stop_strings", "max_stop_string_chars",
-                     "max_stop_token_ids", "max_abort_ids", "max_queue", "max_n"):
+                     "max_stop_token_ids", "max_abort_ids", "max_queue", "max_n", "max_recent_aborts",
+                     "h11_max_incomplete_event_size", "h11_max_header_count", "limit_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("abort_window_s", "timeout_keep_alive_s", "timeout_header_read_s", "timeout_body_read_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

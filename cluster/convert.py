@@ -11,9 +11,11 @@ from .config import GatewayConfig
 
 _FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos", "repetition_penalty",
            "presence_penalty", "frequency_penalty", "min_tokens", "logprobs", "include_stop_str_in_output",
-           "skip_special_tokens", "n")
+           "skip_special_tokens", "n", "prompt_logprobs")
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORTED}
 MAX_REQUEST_ID_CHARS = 256
+NO_STATS = {"steps": 0, "drafted": 0, "accepted": 0, "tau": 0.0, "per_position_accepted": [], "accepted_per_step": [],
+            "draft_ms": 0.0, "verify_ms": 0.0}  # the stats of a sequence the step loop did not end itself
 
 
 def check_limits(req: pb.GenerateRequest, cfg: GatewayConfig) -> None:
@@ -32,17 +34,29 @@ def check_limits(req: pb.GenerateRequest, cfg: GatewayConfig) -> None:
                          f"{cfg.max_stop_token_ids}")
 
 
-def sampling_params(msg: pb.SamplingParams, max_tokens_limit: int, max_n: int = MAX_N) -> dict:
-    """Only the fields the client set; the rest keep SamplingParams' defaults. Raises ValueError naming a field."""
+def sampling_params(msg: pb.SamplingParams, max_tokens_limit: int, max_n: int = MAX_N,
+                    vocab_size: int | None = None) -> dict:
+    """Only the fields the client set; the rest keep SamplingParams' defaults, plus "score_only": max_tokens 0 with
+    prompt_logprobs (the engine then makes one token, which nobody sees). Raises ValueError naming a field."""
     kw: dict = {f: getattr(msg, f) for f in _FIELDS if msg.HasField(f)}
     kw["stop"] = tuple(msg.stop)
     kw["stop_token_ids"] = tuple(msg.stop_token_ids)
+    kw["logit_bias"] = tuple(sorted(msg.logit_bias.items()))
     if any(s == "" for s in kw["stop"]):
         raise ValueError("stop strings must be non-empty")
     if msg.HasField("structured_outputs"):
         kw["structured_outputs"] = structured_outputs(msg.structured_outputs)
-    SamplingParams(**kw).validate(max_tokens_limit=max_tokens_limit, max_n=max_n)
-    return kw
+    score_only = kw.get("max_tokens") == 0
+    if score_only:
+        if kw.get("prompt_logprobs") is None:
+            raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs: the prompt is scored and nothing "
+                             "is generated), got 0")
+        kw["max_tokens"] = 1
+    params = SamplingParams(**kw)
+    params.validate(max_tokens_limit=max_tokens_limit, max_n=max_n)
+    if vocab_size is not None:
+        params.check_token_ids(vocab_size)
+    return {**kw, "score_only": score_only}
 
 
 def structured_outputs(msg: pb.StructuredOutputs, prefix: str = "sampling.structured_outputs"
@@ -68,17 +82,26 @@ def structured_outputs_message(so: StructuredOutputsParams) -> pb.StructuredOutp
 
 def sequence_params(params: dict, index: int) -> dict:
     """The engine request of sequence `index` of n: a seeded request's sequence i has seed + i (wrapped to 64
-    bits); an unseeded one gets a fresh seed per sequence from the engine."""
-    if index == 0 or params.get("seed") is None:
+    bits); an unseeded one gets a fresh seed per sequence from the engine. The prompt's logprobs come with sequence
+    0 only."""
+    if index == 0:
         return params
-    seed = (params["seed"] + index + (1 << 63)) % (1 << 64) - (1 << 63)
-    return {**params, "seed": seed}
+    params = {**params, "prompt_logprobs": None}
+    if params.get("seed") is None:
+        return params
+    return {**params, "seed": (params["seed"] + index + (1 << 63)) % (1 << 64) - (1 << 63)}
 
 
 def token_logprobs(logprobs: list[tuple]) -> list[pb.TokenLogprob]:
     """The engine's per-token (token_id, logprob, [(token_id, logprob), ...]) as messages."""
     return [pb.TokenLogprob(token_id=t, logprob=lp, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top])
             for t, lp, top in logprobs]
+
+
+def prompt_token_logprobs(entries: list[tuple]) -> list[pb.TokenLogprob]:
+    """The engine's per prompt token (token_id, logprob or None, [(token_id, logprob), ...], rank or None)."""
+    return [pb.TokenLogprob(token_id=t, logprob=lp, rank=rank,
+                            top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top]) for t, lp, top, rank in entries]
 
 
 def prompt(req: pb.GenerateRequest, vocab_size: int, max_model_len: int) -> str | list[int]:
@@ -128,11 +151,12 @@ def spec_stats(stats: dict) -> pb.SpecStats:
 
 
 def chunk(request_id: str, token_ids: list[int], text_delta: str, num_output_tokens: int,
-          logprobs: list[tuple] | None = None) -> pb.GenerateResponse:
-    """logprobs: one per token id, or None."""
+          logprobs: list[tuple] | None = None, prompt_logprobs: list[tuple] | None = None) -> pb.GenerateResponse:
+    """logprobs: one per token id, or None; prompt_logprobs: one per prompt token, or None."""
     return pb.GenerateResponse(request_id=request_id, chunk=pb.GenerateChunk(
         token_ids=token_ids, text=text_delta, num_output_tokens=num_output_tokens,
-        logprobs=token_logprobs(logprobs) if logprobs else None))
+        logprobs=token_logprobs(logprobs) if logprobs else None,
+        prompt_logprobs=prompt_token_logprobs(prompt_logprobs) if prompt_logprobs else None))
 
 
 def complete(request_id: str, text: TextStream, finish_reason: str, num_prompt_tokens: int,

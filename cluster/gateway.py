@@ -7,19 +7,22 @@ import asyncio
 import gc
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 from dspark_serve.actors.request_stream import StreamClient
-from dspark_serve.engine.detokenize import TextStream, TokenText, text_stream
+from dspark_serve.engine.detokenize import TokenText, text_stream
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from . import chat, convert
 from .config import GatewayConfig
-from .metrics import ServingMetrics
+from .live_sequence import LiveSequence, aborted_final, take
+from .metrics import FINISH_NAMES, ServingMetrics
+from .recent_aborts import RecentAborts
 
 PAIR_TIMEOUT_S = 10.0  # a control call the pair does not answer in this long means it is gone
 INLINE_CHARS = 2048  # at light load, shorter texts are tokenized on the event loop (< ~0.5 ms), saving a thread hop
@@ -38,14 +41,13 @@ class GatewayError(Exception):
 
 
 @dataclass
-class _Live:
-    """One open request: the records the step loop sent that its stream has not taken yet, and its text."""
+class _Ended:
+    """What generate() counts of a request whose stream ends early: its sequences, once the step loop has them."""
 
-    text: TextStream
-    num_prompt_tokens: int
-    pending: list = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    stop_sent: bool = False
+    request_id: str = ""
+    num_seqs: int = 0
+    num_prompt_tokens: int = 0
+    done: set[int] = field(default_factory=set)  # sequences whose final message went out
 
 
 class GatewayCore:
@@ -53,7 +55,7 @@ class GatewayCore:
 
     def __init__(self, verifier: Any, model_info: dict, cfg: GatewayConfig) -> None:
         self.verifier, self.info, self.cfg = verifier, model_info, cfg
-        self.live: dict[str, _Live] = {}
+        self.live: dict[str, LiveSequence] = {}
         self.keys: dict[tuple[str, str], list[str]] = {}  # (caller, request_id) -> its sequences' keys in live
         self.draining = False
         self.token_text: TokenText | None = None
@@ -63,6 +65,8 @@ class GatewayCore:
         self.chat_template: Any = None  # models.chat_template.ChatTemplate: the verifier's, fetched once
         self.served_model_name = cfg.served_model_name or model_info["target"]
         self.metrics: ServingMetrics | None = None  # counts every finished sequence when set
+        self.finished: Counter[str] = Counter()  # finished sequences by reason (ServerStats.finished_by_reason)
+        self.recent_aborts = RecentAborts(cfg.abort_window_s, cfg.max_recent_aborts)
 
     async def start(self) -> None:
         await self.attach(self.verifier)
@@ -141,7 +145,7 @@ class GatewayCore:
             limit = self.cfg.max_prompt_chars or 32 * info["max_model_len"]
             if len(prompt) > limit:
                 raise ValueError(f"text is {len(prompt)} characters; the limit is {limit}")
-        params = convert.sampling_params(req.sampling, info["max_model_len"], self.cfg.max_n)
+        params = convert.sampling_params(req.sampling, info["max_model_len"], self.cfg.max_n, info["vocab_size"])
         if req.WhichOneof("input") == "chat":
             forced = chat.tool_choice_grammar(req.chat, self.cfg.enable_auto_tool_choice)
             if forced is not None and params.get("structured_outputs") is not None:
@@ -167,41 +171,70 @@ class GatewayCore:
 
     async def generate(self, req: pb.GenerateRequest, deadline_s: float | None,
                        caller: str) -> AsyncIterator[pb.GenerateResponse]:
-        """_generate's messages; each final one is counted in `metrics`, with its time to first token and end to
-        end as the gateway saw them."""
-        start, first = time.monotonic(), {}
-        async with aclosing(self._generate(req, deadline_s, caller)) as stream:
-            async for response in stream:
-                if response.HasField("chunk"):
-                    first.setdefault(response.index, time.monotonic() - start)
-                elif self.metrics is not None:
-                    self.metrics.finished(response.request_id, response.index, response.complete,
-                                          first.get(response.index), time.monotonic() - start)
-                yield response
+        """_generate's messages. Every sequence the step loop was given ends counted by reason, in `finished` and
+        `metrics` (with its time to first token and end to end as the gateway saw them): its final message's, else
+        "abort" (the client cancelled or left, or its deadline passed) or "error" (the pair failed)."""
+        start, first, outputs, ended, reason = time.monotonic(), {}, {}, _Ended(), "abort"
+        try:
+            async with aclosing(self._generate(req, deadline_s, caller, ended)) as stream:
+                async for response in stream:
+                    i = response.index
+                    if response.HasField("chunk"):
+                        first.setdefault(i, time.monotonic() - start)
+                        outputs.setdefault(i, []).extend(response.chunk.token_ids)
+                    else:
+                        ended.done.add(i)
+                        self._count(response.request_id, i, response.complete, first.get(i), time.monotonic() - start)
+                    yield response
+        except GatewayError as e:
+            reason = "abort" if e.code in ("DEADLINE_EXCEEDED", "CANCELLED") else "error"
+            raise
+        except Exception:
+            reason = "error"
+            raise
+        finally:
+            for i in sorted(set(range(ended.num_seqs)) - ended.done):
+                final = pb.GenerateComplete(output_ids=outputs.get(i, []), finish_reason=pb.FINISH_REASON_ABORTED,
+                                            num_prompt_tokens=ended.num_prompt_tokens)
+                self._count(ended.request_id, i, final, first.get(i), time.monotonic() - start, reason)
 
-    async def _generate(self, req: pb.GenerateRequest, deadline_s: float | None,
-                        caller: str) -> AsyncIterator[pb.GenerateResponse]:
+    def _count(self, rid: str, index: int, final: pb.GenerateComplete, ttft_s: float | None, e2e_s: float,
+               reason: str | None = None) -> None:
+        reason = reason or FINISH_NAMES.get(final.finish_reason, "unknown")
+        self.finished[reason] += 1
+        if self.metrics is not None:
+            self.metrics.finished(rid, index, final, ttft_s, e2e_s, reason)
+
+    async def _generate(self, req: pb.GenerateRequest, deadline_s: float | None, caller: str,
+                        ended: _Ended) -> AsyncIterator[pb.GenerateResponse]:
         """`caller` (auth.Access) scopes request ids: callers may pick the same id. The step loop knows each
-        request by a fresh random key, so an id reused right after a cancel never meets its predecessor there."""
+        request by a fresh random key, so an id reused right after a cancel never meets its predecessor there. A
+        request whose id the caller aborted before it came (or while its prompt was tokenized) ends at once with
+        aborted finals, unseen by the step loop; `ended` learns the sequences the step loop was given."""
         if self.draining:
             raise GatewayError("UNAVAILABLE", "server is draining; retry on another replica")
         try:
             prompt, params, n, threshold = self._validate(req)
         except ValueError as e:
             raise GatewayError("INVALID_ARGUMENT", str(e)) from None
-        num_seqs = params.pop("n", 1)
+        num_seqs, score_only = params.pop("n", 1), params.pop("score_only")
         if len(self.live) + num_seqs > self.cfg.max_queue:
             raise GatewayError("RESOURCE_EXHAUSTED", f"queue full ({self.cfg.max_queue} requests); retry later")
         rid = req.request_id or secrets.token_hex(16)
         if (caller, rid) in self.keys:
             raise GatewayError("ALREADY_EXISTS", f"request_id {rid!r} is already running")
+        ended.request_id = rid
+        if req.request_id and self.recent_aborts.take(caller, rid):
+            for i in range(num_seqs):
+                yield aborted_final(rid, i, 0)
+            return
         if self.conn is None or self.conn.writer.is_closing():
             raise GatewayError("UNAVAILABLE", UNAVAILABLE)
         loop = asyncio.get_running_loop()
         end = None if deadline_s is None else loop.time() + deadline_s
         keys = self.keys[caller, rid] = [secrets.token_hex(16) for _ in range(num_seqs)]
         stop, wake = params.pop("stop"), asyncio.Event()  # one wake for the request's n sequences
-        lives = [self._open(key, stop, params, wake) for key in keys]
+        lives = [self._open(key, stop, params, wake, score_only) for key in keys]
         done = [False] * num_seqs
         try:
             try:
@@ -215,8 +248,15 @@ class GatewayCore:
             self._fill_context(req, params, len(ids))
             if self.conn is None:
                 raise GatewayError("UNAVAILABLE", UNAVAILABLE)
-            for i, key in enumerate(keys):
+            if any(live.aborted for live in lives):
+                for i in range(num_seqs):
+                    done[i] = True
+                    yield aborted_final(rid, i, len(ids))
+                return
+            for i, (key, live) in enumerate(zip(keys, lives)):
                 self.conn.send(("add", key, ids, convert.sequence_params(params, i), n, threshold))
+                live.sent = True
+            ended.num_seqs, ended.num_prompt_tokens = num_seqs, len(ids)
             sent = None  # when the last chunk went out
             while not all(done):
                 try:
@@ -231,9 +271,11 @@ class GatewayCore:
                     if done[i] or not items:
                         continue
                     try:
-                        response, final = self._take(key, live, items)
+                        response, final, stopped = take(key, live, items)
                     except GatewayError as e:  # the step loop names the request by its key; the client knows its id
                         raise GatewayError(e.code, e.message.replace(key, rid)) from None
+                    if stopped and self.conn is not None:  # a stop string: the step loop ends it (stats come then)
+                        self.conn.send(("abort", [key]))
                     if final is not None:
                         done[i] = True
                         self.live.pop(key, None)
@@ -246,18 +288,18 @@ class GatewayCore:
             for key in keys:
                 self.live.pop(key, None)
             self.keys.pop((caller, rid), None)
-            left = [key for key, d in zip(keys, done) if not d]
+            left = [key for key, d, live in zip(keys, done, lives) if not d and live.sent]
             if left and self.conn is not None:  # client gone, deadline, or error: free their blocks
                 self.conn.send(("abort", left))
 
-    def _open(self, key: str, stop: tuple[str, ...], params: dict, wake: asyncio.Event) -> _Live:
+    def _open(self, key: str, stop: tuple[str, ...], params: dict, wake: asyncio.Event, score_only: bool) -> LiveSequence:
         """One sequence's entry in live, with its text options."""
         text = text_stream(self.token_text, stop, params.get("include_stop_str_in_output", False),
                            params.get("min_tokens", 0), params.get("skip_special_tokens", True))
-        live = self.live[key] = _Live(text, 0, wake=wake)
+        live = self.live[key] = LiveSequence(text, 0, wake=wake, score_only=score_only)
         return live
 
-    async def _pace(self, lives: list[_Live], sent: float) -> None:
+    async def _pace(self, lives: list[LiveSequence], sent: float) -> None:
         """Hold a stream's next chunk until its share of the message rate allows it (a final is never held): with
         many streams, each message carries several steps, and the gateway's time per step stays bounded."""
         gap = len(self.live) / self.cfg.stream_messages_per_s
@@ -265,44 +307,23 @@ class GatewayCore:
         if wait > 1e-4 and not any(isinstance(x, tuple) and x[2] is not None for live in lives for x in live.pending):
             await asyncio.sleep(wait)
 
-    def _take(self, rid: str, live: _Live, items: list) -> tuple[pb.GenerateResponse | None,
-                                                                   pb.GenerateResponse | None]:
-        """Every record that arrived since the stream last looked, as one chunk (a slow client gets fewer,
-        larger chunks), and the final message if the request ended."""
-        ids, text, logprobs, final = [], [], [], None
-        for item in items:
-            if isinstance(item, GatewayError):
-                raise item
-            new, reason, stats = item[1:4]
-            if not live.text.stopped:
-                kept, delta = live.text.push(new)
-                ids += kept
-                text.append(delta)
-                if len(item) > 4 and item[4]:  # the request asked for logprobs: one per token
-                    logprobs += item[4][:len(kept)]
-                if live.text.stopped and reason is None and not live.stop_sent:
-                    live.stop_sent = True  # a stop string: the step loop ends it; its stats come with the end
-                    if self.conn is not None:
-                        self.conn.send(("abort", [rid]))
-            if reason is not None:
-                if not live.text.stopped:
-                    text.append(live.text.finish())
-                final = convert.complete(rid, live.text, "stop" if live.text.stopped else reason,
-                                         live.num_prompt_tokens, stats)
-                break
-        delta = "".join(text)
-        chunk = convert.chunk(rid, ids, delta, len(live.text.token_ids), logprobs) if ids or delta else None
-        return chunk, final
-
     async def abort(self, ids: list[str], caller: str) -> list[str]:
         """Only the caller's own requests; -> the ids that were running."""
         if len(ids) > self.cfg.max_abort_ids:
             raise GatewayError("INVALID_ARGUMENT", f"request_ids has {len(ids)} ids; the limit is "
                                                    f"{self.cfg.max_abort_ids}")
         self._check_pair()
-        known = [rid for rid in dict.fromkeys(ids) if (caller, rid) in self.keys]
-        if known:
-            self.conn.send(("abort", [key for rid in known for key in self.keys[caller, rid]]))
+        known, sent = [], []
+        for rid in dict.fromkeys(ids):
+            if (caller, rid) not in self.keys:  # not come yet (an Abort can overtake its Generate), or over
+                self.recent_aborts.remember(caller, rid)
+                continue
+            known.append(rid)
+            for live in filter(None, map(self.live.get, self.keys[caller, rid])):
+                live.aborted = True
+            sent += [key for key in self.keys[caller, rid] if key in self.live and self.live[key].sent]
+        if sent:
+            self.conn.send(("abort", sent))
         return known
 
     def _check_pair(self) -> None:
@@ -317,7 +338,7 @@ class GatewayCore:
         except Exception:  # a dead or stalled actor: its error names actors and addresses, so say only that
             raise GatewayError("UNAVAILABLE", UNAVAILABLE) from None
         s["draining"] = s["draining"] or self.draining
-        return pb.ServerStats(**s)
+        return pb.ServerStats(**s, finished_by_reason=self.finished)
 
     def model_info(self) -> pb.ModelInfo:
         self._check_pair()
@@ -329,19 +350,23 @@ class GatewayCore:
         if req.WhichOneof("input") == "chat" and not req.sampling.HasField("max_tokens"):
             params["max_tokens"] = self.info["max_model_len"] - num_prompt_tokens
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float, pair_gone: Callable[[], Awaitable[bool]] | None = None) -> None:
         """Stop admitting, let running requests finish (up to timeout_s), then end the rest: each gets a final
-        message with finish_reason ABORTED before the server stops."""
+        message with finish_reason ABORTED before the server stops. When `pair_gone()` turns true (the pair is being
+        stopped under the server) nothing more is waited for."""
         self.draining = True
         loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        while self.live and loop.time() < end:
+        end, gone = loop.time() + timeout_s, False
+        while self.live and loop.time() < end and not gone:
             await asyncio.sleep(0.05)
+            gone = pair_gone is not None and await pair_gone()
         if self.live and self.conn is not None:
             self.conn.send(("abort", list(self.live)))
-            end = loop.time() + PAIR_TIMEOUT_S
+            end = loop.time() + (1.0 if gone else PAIR_TIMEOUT_S)
             while self.live and loop.time() < end:
                 await asyncio.sleep(0.02)
+        for key in list(self.live):  # the pair did not end them: they end here
+            self._deliver(key, (key, [], "abort", convert.NO_STATS))
 
 
 def _token_text(tokenizer_json: str) -> TokenText:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -31,6 +32,7 @@ class GatewayServer:
         self.http_port: int | None = None
         self.metrics_sink = PrometheusSink() if cfg.http_port is not None else None  # /metrics lives on HTTP
         self._tasks: list[asyncio.Task] = []
+        self.pair_gone: Callable[[], Awaitable[bool]] | None = None  # true: draining waits for nothing
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
@@ -101,7 +103,7 @@ class GatewayServer:
             return
         self.core.draining = True
         await self.health.set(False)
-        await self.core.drain(self.cfg.drain_timeout_s)
+        await self.core.drain(self.cfg.drain_timeout_s, self.pair_gone)
         await self.stop()
 
     async def stop(self, grace_s: float = 2.0) -> None:

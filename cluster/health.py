@@ -1,4 +1,5 @@
-"""grpc.health.v1 for the gateway: overall ("") and per service; NOT_SERVING while draining or when the pair stalls."""
+"""grpc.health.v1 for the gateway: overall ("") and per service; NOT_SERVING while draining, or when the pair is gone,
+does not answer or its step loop failed (a long step is not a failure)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class Health:
 
     async def watch_pair(self, verifier: Callable[[], Any], is_draining, period_s: float = 1.0) -> None:
         """Probe the real request path: the current verifier (`verifier()`, None while a new pair starts) reports
-        a dead or stalled step loop."""
+        a dead or failed step loop; one that does not answer within 10 s counts as gone."""
         while True:
             try:
                 ok = (await asyncio.wait_for(verifier().health.remote(), timeout=10))["ok"]

@@ -1,5 +1,5 @@
-"""The HTTP listener: uvicorn on the gateway's event loop, with the gateway's TLS files. The gateway keeps the signal
-handlers (SIGTERM drains), so uvicorn takes none."""
+"""The HTTP listener: uvicorn on the gateway's event loop, with the gateway's TLS files and connection limits
+(http_limits.py). The gateway keeps the signal handlers (SIGTERM drains), so uvicorn takes none."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 
 from .config import GatewayConfig
+from .http_limits import protocol_class
 
 
 class _Uvicorn(uvicorn.Server):
@@ -34,7 +35,9 @@ class HttpServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((c.host, c.http_port))
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, ssl_certfile=c.ssl_certfile, ssl_keyfile=c.ssl_keyfile,
+                                http=protocol_class(c), h11_max_incomplete_event_size=c.h11_max_incomplete_event_size,
+                                timeout_keep_alive=c.timeout_keep_alive_s, timeout_graceful_shutdown=5,
+                                ssl_certfile=c.ssl_certfile, ssl_keyfile=c.ssl_keyfile,
                                 ssl_ca_certs=c.ssl_ca_certs,
                                 ssl_cert_reqs=ssl.CERT_REQUIRED if c.ssl_ca_certs else ssl.CERT_NONE)
         self.server = _Uvicorn(config)

@@ -99,10 +99,10 @@ class ServingMetrics:
         self._channel_ms = 0.0  # the last reading, kept while no sequence finishes
 
     def finished(self, request_id: str, index: int, final: pb.GenerateComplete, ttft_s: float | None,
-                 e2e_s: float) -> None:
-        """One finished sequence; its request's prompt counts once (index 0)."""
+                 e2e_s: float, reason: str | None = None) -> None:
+        """One finished sequence; its request's prompt counts once (index 0). `reason` overrides the final's."""
         s, tags = final.stats, {"model_name": self.model}
-        reason = FINISH_NAMES.get(final.finish_reason, "unknown")
+        reason = reason or FINISH_NAMES.get(final.finish_reason, "unknown")
         for record, value in ((self.drafts, s.num_spec_steps), (self.draft_tokens, s.num_draft_tokens),
                               (self.accepted, s.num_accepted_tokens), (self.generation_tokens, len(final.output_ids)),
                               (self.prompt_tokens, final.num_prompt_tokens if index == 0 else 0)):

@@ -29,8 +29,9 @@ from .metrics import GaugeRefresher, RaySink, ServingMetrics, log_requests_to_st
 BUILTIN_TINY = "builtin:tiny"  # a tiny constructed pair written at startup, with a byte-level tokenizer (laptop / CI)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-GATEWAY_OPTIONS = ("max_queue", "max_request_bytes", "served_model_name", "enable_auto_tool_choice",
-                   "tool_call_parser")  # the GatewayConfig fields it takes
+GATEWAY_OPTIONS = ("max_queue", "max_request_bytes", "served_model_name", "max_prompt_chars", "abort_window_s",
+                   "enable_auto_tool_choice", "tool_call_parser")  # the GatewayConfig fields it takes (the HTTP
+# listener is Serve's proxy)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1000, health_check_period_s=10,
@@ -136,7 +137,7 @@ class DSpark:
             _fail(grpc_context, e)
 
     async def check_health(self) -> None:
-        """The real request path: a dead or stalled step loop fails the replica."""
+        """The real request path: a dead or failed step loop fails the replica (a long step does not)."""
         health = await self.pair.verifier.health.remote()
         if not health["ok"]:
             raise RuntimeError(f"step loop unhealthy: {health}")

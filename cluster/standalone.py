@@ -4,7 +4,10 @@ draft+verifier pair, the gateway; drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import sys
+import threading
 from dataclasses import replace
 from collections.abc import Callable
 from typing import Any
@@ -16,8 +19,6 @@ from .metrics import log_requests_to_stderr
 def start_ray(address: str | None, num_cpus: int | None = None) -> None:
     """Join `address`, or start an embedded single-node Ray whose servers all bind loopback (call it before ray is
     imported). Token auth stays as Ray sets it (RAY_AUTH_MODE)."""
-    import os
-
     if not address:
         # Ray swaps a loopback node address for the host's IP, and its servers then listen on every interface,
         # unless it runs as a local-only instance; set before the import, so Ray's own processes inherit it too.
@@ -27,8 +28,9 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
         return
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
+    # address="local": a new instance even where another Ray runs on this machine (ray.init would join that one)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})
 
 
 async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[[Any], None] | None = None) -> None:
@@ -46,6 +48,7 @@ async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[
         supervisor = PairSupervisor(pair_cfg, pair, server.core.detach, lambda p: server.core.attach(p.verifier),
                                     lambda: server.core.draining)
         watch = loop.create_task(supervisor.run())
+        server.pair_gone = _ray_gone
         server.install_signal_handlers()
         if on_ready is not None:
             on_ready(server)
@@ -55,7 +58,50 @@ async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[
         if supervisor is not None:
             supervisor.stop()
             pair = supervisor.pair
-        await loop.run_in_executor(None, pair.shutdown)
+        if not await _shutdown_pair(pair):
+            _exit_without_ray()
+
+
+def _exit_without_ray() -> None:
+    """Ray stopped under the server (a SIGTERM to the whole process group or cgroup reaches Ray's processes too):
+    nothing is left to stop, and waiting would take minutes (Ray calls in flight, and the exit handler Ray registered,
+    wait on its GCS). Ray's processes end with this one (they share its fate)."""
+    print("dspark-serve: stopped (Ray stopped with it)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+async def _shutdown_pair(pair: Any) -> bool:
+    """pair.shutdown, unless Ray goes away meanwhile (its actors then end with it, and Ray calls would wait for
+    minutes): -> whether Ray was there to the end."""
+    done = threading.Event()
+
+    def shutdown() -> None:
+        pair.shutdown()
+        done.set()
+
+    threading.Thread(target=shutdown, name="dspark-pair-shutdown", daemon=True).start()
+    while not done.is_set():
+        if not await asyncio.to_thread(ray_reachable):
+            return False
+        await asyncio.sleep(0.05)
+    return True
+
+
+async def _ray_gone() -> bool:
+    return not await asyncio.to_thread(ray_reachable)
+
+
+def ray_reachable(timeout_s: float = 0.5) -> bool:
+    """Whether Ray's GCS accepts connections (it stops listening as soon as it is told to stop)."""
+    import ray
+
+    host, port = ray._private.worker.global_worker.node.gcs_address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def run(pair_cfg: PairConfig, gw_cfg: GatewayConfig, address: str | None, num_cpus: int | None) -> int:

@@ -269,6 +269,7 @@ class LLM:
             raise ValueError("prompt is empty")
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {[t for t in ids if not 0 <= t < vocab][:5]}")
+        params.check_token_ids(vocab)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
                              f"({self.max_model_len})")
@@ -295,7 +296,7 @@ class LLM:
     def _process(self, out: StepOutput) -> RequestOutput | None:
         """Text, stop strings and the cumulative view of one request's step output. A stop string ends the
         output at once and aborts the request; its stats arrive with the engine's last output for it."""
-        rid, new, reason, stats, logprobs = out
+        rid, new, reason, stats, logprobs = out[:5]
         entry = self._streams.get(rid)
         if entry is None:
             return None

@@ -1,4 +1,5 @@
-"""A step's per-request logits processing: penalties, min_tokens and grammars before verification, logprobs after.
+"""A step's per-request logits processing: logit_bias, penalties, min_tokens and grammars before verification,
+logprobs after.
 Host lists become tensors for the rows that ask only; a batch where none asks costs nothing."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from torch import Tensor
 
 from .grammar_state import apply_grammar
 from .logprobs import token_logprobs, unpack_row
-from .penalties import apply_penalties, counts_before, mask_before_min, token_counts
+from .penalties import add_logit_bias, apply_penalties, counts_before, mask_before_min, token_counts
 from .request import Request
 
 
@@ -50,11 +51,12 @@ def _prompt_mask(r: Request, vocab_size: int, device: torch.device) -> Tensor:
 
 def process_logits(reqs: list[Request], logits: Tensor, drafts: Tensor | None,
                    pending: list[list[int]] | None = None) -> Tensor:
-    """Penalties, min_tokens and the grammar's masks on the rows whose requests set them, in place. logits
+    """logit_bias, min_tokens, the penalties and the grammar's masks (in that order) on the rows whose requests set
+    them, in place. logits
     [R, W, V]: position j of row b is the token after its anchor and drafts[b, :j] (drafts [R, >= W - 1] on the
     device, or None when W = 1); pending[b]: tokens committed after r.output_ids that it does not hold yet (a step
     launched ahead; never for a constrained row, whose step is not launched ahead)."""
-    rows = [i for i, r in enumerate(reqs) if r.params.has_penalties or r.params.min_tokens > 0]
+    rows = [i for i, r in enumerate(reqs) if r.params.has_penalties or r.params.min_tokens > 0 or r.params.logit_bias]
     if rows:
         _penalize(reqs, rows, logits, drafts, pending)
     return apply_grammar(reqs, logits, drafts)
@@ -70,6 +72,11 @@ def _penalize(reqs: list[Request], rows: list[int], logits: Tensor, drafts: Tens
                       [r.params.frequency_penalty for r in sub]], torch.float32, dev)
     ints = _upload([[len(o) for o in outputs], [r.params.min_tokens for r in sub]], torch.int64, dev)
     x = logits[idx]  # [R', W, V]
+    if any(r.params.logit_bias for r in sub):
+        pairs = [r.params.logit_bias or ((0, 0.0),) for r in sub]
+        ids = _upload(_padded([[t for t, _ in p] for p in pairs]), torch.int64, dev)  # [R', B]
+        biases = _upload([[b for _, b in p] + [0.0] * (ids.shape[1] - len(p)) for p in pairs], torch.float32, dev)
+        x = add_logit_bias(x, ids, biases)
     if any(r.params.min_tokens > 0 for r in sub):
         banned = torch.zeros(len(sub), vocab_size, dtype=torch.bool, device=dev)
         ids = _upload(_padded([list(r.banned_before_min) for r in sub]), torch.int64, dev)

@@ -1,4 +1,4 @@
-"""Penalties and min_tokens on the target's logits at every verified position; pure tensor functions.
+"""logit_bias, penalties and min_tokens on the target's logits at every verified position; pure tensor functions.
 
 Position j of a verify row sees the committed output plus the drafts before j, so verifying a block is sampling
 the penalized target one token at a time (lossless).
@@ -38,6 +38,14 @@ def apply_penalties(logits: Tensor, prompt_mask: Tensor, counts: Tensor, repetit
     rep = repetition[:, None, None].float()
     x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
     return x - frequency[:, None, None] * counts - presence[:, None, None] * present
+
+
+def add_logit_bias(logits: Tensor, ids: Tensor, biases: Tensor) -> Tensor:
+    """OpenAI's logit_bias at every position. logits [R, W, V]; ids [R, B] int64 (-1: padding); biases [R, B] fp32
+    -> [R, W, V] fp32."""
+    dense = torch.zeros(logits.shape[0], logits.shape[-1], device=logits.device)  # [R, V]
+    dense.scatter_add_(1, ids.clamp(min=0), torch.where(ids >= 0, biases, 0.0))
+    return logits.float() + dense[:, None]
 
 
 def mask_before_min(logits: Tensor, banned: Tensor, num_output: Tensor, min_tokens: Tensor) -> Tensor:

@@ -98,6 +98,8 @@ class StepOutput(NamedTuple):
     finish_reason: str | None = None
     stats: dict | None = None
     logprobs: list[tuple] | None = None  # with SamplingParams.logprobs: per new token (id, logprob, [(id, logprob)])
+    prompt_logprobs: list[tuple] | None = None  # with SamplingParams.prompt_logprobs, once: per prompt token
+    # (id, logprob, [(id, logprob)], rank); the first token's logprob and rank are None (engine/prompt_logprobs.py)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from .structured_outputs import StructuredOutputsParams
 GREEDY_TEMPERATURE = 1e-5  # below this a request is decoded by argmax
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
 MAX_N = 16  # sequences per request, unless the server sets another limit
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+MAX_BIAS = 100.0  # |bias| per token, as OpenAI's logit_bias
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -41,6 +43,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # special tokens leave no text
     n: int = 1  # sequences per prompt (fanned out by the caller: one engine request each)
     structured_outputs: StructuredOutputsParams | None = None  # the output must match it (masks the target)
+    prompt_logprobs: int | None = None  # each prompt token's logprob (raw target logits) and this many top (0..20)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the target's logits before penalties
 
     @property
     def is_greedy(self) -> bool:
@@ -52,9 +56,9 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the target's logits change before this request samples from them (penalties, min_tokens, a
-        grammar)."""
-        return self.has_penalties or self.min_tokens > 0 or self.structured_outputs is not None
+        """Whether the target's logits change before this request samples from them (logit_bias, penalties,
+        min_tokens, a grammar)."""
+        return self.has_penalties or self.min_tokens > 0 or bool(self.logit_bias) or self.structured_outputs is not None
 
     def validate(self, max_tokens_limit: int | None = None, max_n: int = MAX_N) -> None:
         """Raise ValueError naming the first bad field, what it must be and what arrived."""
@@ -91,6 +95,10 @@ class SamplingParams:
         lp = self.logprobs
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {lp!r}")
+        lp = self.prompt_logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], got {lp!r}")
+        self._validate_logit_bias()
         if not _is_int(self.n) or not 1 <= self.n <= max_n:
             raise ValueError(f"n must be in [1, {max_n}], got {self.n!r}")
         so = self.structured_outputs
@@ -101,3 +109,21 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The ids logit_bias names exist in a vocabulary of vocab_size (ValueError naming it)."""
+        bad = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {bad[:5]}")
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias must be a tuple of at most {MAX_LOGIT_BIAS} (token id, bias) pairs")
+        for pair in bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0
+                    and _is_number(pair[1]) and -MAX_BIAS <= pair[1] <= MAX_BIAS):
+                raise ValueError(f"logit_bias must map token ids >= 0 to biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+                                 f"got {pair!r}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id twice")

@@ -1,5 +1,5 @@
-"""Test helper: the penalized target, one token at a time by plain loops (the oracle of the engine's penalties,
-min_tokens and logprobs)."""
+"""Test helper: the penalized target, one token at a time by plain loops (the oracle of the engine's logit_bias,
+penalties, min_tokens and logprobs)."""
 
 import torch
 
@@ -9,8 +9,10 @@ from dspark_serve.engine.sampling_params import SamplingParams
 
 def penalized(logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams,
               banned: tuple[int, ...] = ()) -> torch.Tensor:
-    """One position's logits [V] after min_tokens and the penalties, token by token."""
+    """One position's logits [V] after logit_bias, min_tokens and the penalties, token by token."""
     x = logits.clone().float()
+    for t, bias in params.logit_bias:
+        x[t] += bias
     if len(output) < params.min_tokens:
         for t in banned:
             x[t] = float("-inf")

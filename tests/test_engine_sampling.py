@@ -70,6 +70,7 @@ PENALTY_CASES = {
     "frequency": (AGREE, {}, SamplingParams(temperature=1.0, max_tokens=3, frequency_penalty=1.5)),
     "penalties-combined": (AGREE, {}, SamplingParams(temperature=0.9, top_k=6, max_tokens=3, repetition_penalty=1.5,
                                                      presence_penalty=1.5, frequency_penalty=0.5)),
+    "logit-bias": (AGREE, {}, SamplingParams(temperature=1.0, max_tokens=3, logit_bias=((2, 1.2), (6, -1.5), (0, 0.7)))),
 }
 
 

@@ -291,7 +291,8 @@ def test_embedded_ray_listens_on_loopback_only_and_needs_its_token(mtls_server):
 
 
 def test_serve_flags_and_key_from_the_environment(monkeypatch):
-    from dspark_serve.cluster.commands.cli import _api_keys, build_parser
+    from dspark_serve.cluster.commands.cli import build_parser
+    from dspark_serve.cluster.commands.serve_cmd import _api_keys
     from dspark_serve.cluster.config import GatewayConfig
 
     parser = build_parser()

@@ -303,8 +303,12 @@ class _Core:
     """A started core whose generate fails as told."""
 
     served_model_name = MODEL
+    info = {"vocab_size": 512}
 
     def __init__(self, error: Exception) -> None:
+        from dspark_serve.cluster.config import GatewayConfig
+
+        self.cfg = GatewayConfig()
         self.error = error
 
     async def generate(self, req, deadline_s, caller):

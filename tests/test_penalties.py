@@ -53,7 +53,9 @@ PENALTIES = [SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=1
              SamplingParams(temperature=0.0, max_tokens=14, presence_penalty=1.2),
              SamplingParams(temperature=0.0, max_tokens=14, frequency_penalty=0.9),
              SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=0.7, presence_penalty=-0.4,
-                            frequency_penalty=1.1)]
+                            frequency_penalty=1.1),
+             SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=1.3,
+                            logit_bias=((17, 3.0), (5, -5.0), (100, 2.5), (3, 1.0)))]
 PROMPTS = [[3, 4, 5, 3, 4], [9, 9, 1], [7], [200, 17, 17, 17, 30, 2]]
 
 
@@ -85,6 +87,7 @@ def test_greedy_speculative_with_penalties_equals_plain_greedy(pair, references,
         assert out.token_ids == llm.generate([prompt], plain)[0].token_ids
     assert sum(o.stats["accepted"] for o in outs[:len(cases)]) > 20
     assert sum(references[i, 3] != outs[len(cases) + i].token_ids for i in range(len(PROMPTS))) >= 2  # they bite
+    assert sum(references[i, 4] != outs[len(cases) + i].token_ids for i in range(len(PROMPTS))) >= 2
     alone = llm.generate([PROMPTS[0]], PENALTIES[3])[0]
     assert alone.token_ids == references[0, 3]
 

@@ -8,10 +8,12 @@ import time
 from dataclasses import replace
 
 import torch
+from torch import Tensor
 
 from ..drafter import DraftContext, Drafter, DraftUnavailable, draft_input
 from ..grammar_state import has_grammar
 from ..logits_processing import process_logits, step_logprobs
+from ..prompt_logprobs import PROMPT_CHUNK_TOKENS, chunk_prompt_logprobs
 from ..rejection import verify_mixed
 from ..request import Request
 from ..spec_config import SpeculativeConfig
@@ -27,6 +29,7 @@ class Executor:
         self.target, self.draft, self.spec = target, draft, spec
         self.pipeline = StepPipeline(target.device, draft)  # what each step launches ahead for the next
         self.contexts: dict[Request, DraftContext] = {}  # the draft's context of each running request
+        self.prompt_logprobs: dict[Request, list[tuple]] = {}  # collected over a prompt's chunks, until its end
         self._lost = False  # the draft stopped answering during the step
 
     def set_draft(self, draft: Drafter | None) -> None:
@@ -43,9 +46,12 @@ class Executor:
     def execute(self, plan: SchedulerOutput) -> StepResult:
         for req in plan.released:
             self.contexts.pop(req, None)
+            self.prompt_logprobs.pop(req, None)
         first = self._prefill(plan.prefill) if plan.prefill else {}
+        scored = {c.req: self.prompt_logprobs.pop(c.req) for c in plan.prefill if c.samples and c.req in
+                  self.prompt_logprobs}
         if plan.decode is None:
-            return StepResult([], first)
+            return StepResult([], first, prompt_logprobs=scored)
         self._lost = False
         try:
             rows, drafted, times = self._decode(plan.decode)
@@ -53,7 +59,7 @@ class Executor:
             self._lose_draft()
             d = plan.decode
             rows, drafted, times = self._decode(replace(d, caps=[0] * len(d.reqs), budget=0))
-        return StepResult(rows, first, self._lost, drafted, *times)
+        return StepResult(rows, first, self._lost, drafted, *times, prompt_logprobs=scored)
 
     def _context(self, req: Request) -> DraftContext:
         ctx = self.contexts.get(req)
@@ -64,8 +70,21 @@ class Executor:
     def _prefill(self, chunks: list[PrefillChunk]) -> dict[Request, tuple[int, list[tuple] | None]]:
         """Every chunk through the target at once; the chunks that end a fresh prompt sample its first token."""
         reqs = [c.req for c in chunks]
-        logits, feats = self.target.run(reqs, [c.tokens for c in chunks], last_only=True,
-                                        starts=[c.start for c in chunks])
+        scored = [i for i, c in enumerate(chunks) if c.req.params.prompt_logprobs is not None and not c.req.output_ids]
+        if scored:  # their every position's logits: run on their own, a piece at a time
+            rest = [i for i in range(len(chunks)) if i not in scored]
+            rows, feats = [None] * len(chunks), [None] * len(chunks)
+            if rest:
+                lg, fs = self.target.run([reqs[i] for i in rest], [chunks[i].tokens for i in rest], last_only=True,
+                                         starts=[chunks[i].start for i in rest])
+                for k, i in enumerate(rest):
+                    rows[i], feats[i] = lg[k], fs[k]
+            for i in scored:
+                rows[i], feats[i] = self._scored(chunks[i])
+            logits = torch.stack(rows)  # [R, 1, V]
+        else:
+            logits, feats = self.target.run(reqs, [c.tokens for c in chunks], last_only=True,
+                                            starts=[c.start for c in chunks])
         if self.draft is not None:
             for c, f in zip(chunks, feats):
                 ctx = self._context(c.req)
@@ -89,6 +108,22 @@ class Executor:
         lp_values = lp.values.tolist() if lp is not None else None
         return {r: (tok, lp.of_row(lp_values, i, [tok]) if lp is not None else None)
                 for i, (r, tok) in enumerate(zip(sub, tokens[:, 0].tolist()))}
+
+    def _scored(self, c: PrefillChunk) -> tuple[Tensor, Tensor | None]:
+        """A prompt chunk of a request asking for prompt logprobs, PROMPT_CHUNK_TOKENS positions at a time with all
+        their logits: its last position's logits [1, V] and features; its prompt logprobs collect in
+        self.prompt_logprobs (the scheduler hands them out with its first token)."""
+        req, entries, feats, last = c.req, self.prompt_logprobs.setdefault(c.req, []), [], None
+        prompt = req.prompt_ids
+        for s in range(c.start, c.start + len(c.tokens), PROMPT_CHUNK_TOKENS):
+            tokens = prompt[s:min(s + PROMPT_CHUNK_TOKENS, c.start + len(c.tokens))]
+            logits, f = self.target.run([req], [tokens], last_only=False, starts=[s])  # [1, >= T, V]
+            nxt = prompt[s + len(tokens)] if s + len(tokens) < len(prompt) else None
+            entries += chunk_prompt_logprobs(logits[0, :len(tokens)], tokens, nxt, req.params.prompt_logprobs,
+                                             first=s == 0)
+            feats.append(f[0])
+            last = logits[0, len(tokens) - 1:len(tokens)]  # [1, V]
+        return last, (torch.cat(feats) if feats[0] is not None else None)
 
     def _decode(self, plan: DecodePlan) -> tuple[list[RowResult], bool, tuple[float, float, float]]:
         """One verify step for the plan's rows. Rows the previous step launched ahead are finished as they are;

@@ -70,3 +70,4 @@ class StepResult:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     transfer_ms: float = 0.0
+    prompt_logprobs: dict | None = None  # Request -> its prompt logprobs (engine/prompt_logprobs.py), with its first token

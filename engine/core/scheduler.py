@@ -182,7 +182,9 @@ class Scheduler:
             if chunk.samples:
                 token, logprobs = result.first_tokens[req]
                 req.stats.first_token_ms = 1e3 * (now - req.stats.arrival)
-                outputs.append(self._emit(req, [token], logprobs))
+                out = self._emit(req, [token], logprobs)
+                scored = (result.prompt_logprobs or {}).get(req)
+                outputs.append(out._replace(prompt_logprobs=scored) if scored is not None else out)
         if plan.decode is not None:
             rows = result.decoded
             if self.policy is not None:
