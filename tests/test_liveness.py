@@ -62,6 +62,60 @@ def test_health_answers_within_a_second_while_a_long_prefill_runs(tmp_path):
         srv.kill()
 
 
+def test_a_long_prompt_beside_a_stream_with_a_small_token_budget(tmp_path):
+    """A 12,000-token prompt arrives while a stream runs, with --max-num-batched-tokens 512: it is prefilled 512
+    tokens a step beside the stream, which keeps getting tokens (its longest gap <= 4 s, the issue's bound), and
+    health answers within 1 s throughout."""
+    target, draft = random_pair(tmp_path, agree=0.005, block_size=6)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
+    srv = ServerProcess(target, draft, "--http-port", "0", "--max-model-len", "16384", "--num-kv-blocks", "2100",
+                        "--max-num-batched-tokens", "512")
+    client, other = DSparkClient(srv.address), DSparkClient(srv.address)
+    try:
+        arrivals, done = [], {}
+
+        def stream():
+            for msg in client.stream([1, 2, 3], timeout=300, temperature=0.0, max_tokens=100000 // 40,
+                                     ignore_eos=True):
+                arrivals.append(time.monotonic())
+                if "long" in done:
+                    break
+
+        def long_prompt():
+            t0 = time.monotonic()
+            for msg in other.stream([5, 6, 7, 8] * 3000, timeout=300, temperature=0.0, max_tokens=2, ignore_eos=True):
+                done.setdefault("first_s", time.monotonic() - t0)
+            done["long"] = time.monotonic()
+
+        running = threading.Thread(target=stream)
+        running.start()
+        while not arrivals:
+            time.sleep(0.01)
+        start = time.monotonic()
+        worker = threading.Thread(target=long_prompt)
+        worker.start()
+        slowest = 0.0
+        while worker.is_alive():
+            t0 = time.monotonic()
+            with urllib.request.urlopen(f"http://{srv.http_address}/health", timeout=5) as r:
+                assert r.status == 200
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.2)
+        worker.join()
+        running.join(60)
+        during = [t for t in arrivals if start <= t <= done["long"]]
+        gaps = [b - a for a, b in zip(during, during[1:])]
+        print(f"12,000-token prefill in {done['first_s']:.1f} s beside the stream: {len(during)} of its chunks, "
+              f"longest gap {max(gaps):.2f} s; slowest health {slowest * 1e3:.0f} ms")
+        assert len(during) >= 12000 // 512  # the stream moved during every budgeted step at least
+        assert max(gaps) <= 4.0 and slowest < 1.0, (max(gaps), slowest)
+    finally:
+        client.close()
+        other.close()
+        srv.kill()
+
+
 def _stop(pair_dirs, group: bool) -> tuple[float, list[int]]:
     """A server with a stream running, then SIGTERM to it (or its process group): -> seconds to its exit, and the
     processes of its tree still there 5 s later."""

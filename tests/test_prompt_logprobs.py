@@ -40,11 +40,11 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> di
     ids = []
     for prompt, p in zip(prompts, params):
         req = llm.new_request(prompt, p)
-        llm.scheduler.add(req)
+        llm.core.add(req)
         ids.append(req.request_id)
     got = {rid: [None, []] for rid in ids}
     while llm.has_unfinished():
-        for out in llm.scheduler.step():
+        for out in llm.core.step():
             if out.prompt_logprobs is not None:
                 assert got[out.request_id][0] is None  # once
                 got[out.request_id][0] = out.prompt_logprobs
