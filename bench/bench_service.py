@@ -8,11 +8,15 @@ channel's ms per step, plain and speculative, at each concurrency, for
   serve     Ray Serve's gRPC proxy, with deploy/serve.yaml pointed at the same pair
 
 Held-out code prompts through the target's chat template, greedy, each level c keeping c requests in flight
-until --requests have run (a warm-up wave first). Plain = speculation disabled per request on the same server.
-Clients run in several processes, so that the gateway, not the load generator, is what is measured.
+until --requests have run (a warm-up wave first); with --request-rates, requests also arrive as a Poisson process
+at each rate (requests/s, as vLLM's serving benchmark --request-rate), with no cap on those in flight, and each
+rate reports goodput: the requests per second that met TTFT <= --goodput-ttft-ms and TPOT <= --goodput-tpot-ms.
+Plain = speculation disabled per request on the same server. Clients run in several processes, so that the
+gateway, not the load generator, is what is measured.
 
-usage: python bench/bench_service.py [--target DIR] [--draft DIR] [--levels 1 8 32 64] [--requests 64]
-                                     [--max-tokens 128] [--layouts engine default split serve] [--json OUT]
+usage: python bench/bench_service.py [--target DIR] [--draft DIR] [--levels 1 8 32 64] [--request-rates 4 16 64]
+                                     [--requests 64] [--max-tokens 128] [--layouts engine default split serve]
+                                     [--json OUT]
 """
 
 from __future__ import annotations
@@ -51,10 +55,26 @@ def chat_prompts(target: str, n: int) -> tuple[list[str], str]:
     return [render(texts[i % len(texts)]) for i in range(n)], name
 
 
+GOODPUT = {"ttft_ms": 200.0, "tpot_ms": 20.0}  # a request meets its service level (set from the flags)
+
+
+def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Offsets (s) of n Poisson arrivals at `rate` requests/s (exponential gaps, seeded)."""
+    import random
+
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
 def summarize(records: list[dict], wall_s: float) -> dict:
     """records: per request t0, t_first, t_end (seconds), tokens, steps, accepted, transfer_ms, and the step
     loop's own first_token_ms and queue_ms."""
     ok = [r for r in records if "error" not in r]
+    good = [r for r in ok if 1e3 * (r["t_first"] - r["t0"]) <= GOODPUT["ttft_ms"]
+            and 1e3 * (r["t_end"] - r["t_first"]) / max(r["tokens"] - 1, 1) <= GOODPUT["tpot_ms"]]
     steps = sum(r["steps"] for r in ok)
     ttft = sorted(1e3 * (r["t_first"] - r["t0"]) for r in ok)
     tpot = [1e3 * (r["t_end"] - r["t_first"]) / max(r["tokens"] - 1, 1) for r in ok]
@@ -62,6 +82,8 @@ def summarize(records: list[dict], wall_s: float) -> dict:
     return {"requests": len(ok), "errors": len(records) - len(ok), "tokens": sum(r["tokens"] for r in ok),
             "tok_s": sum(r["tokens"] for r in ok) / wall_s, "ttft_ms_p50": pct(ttft, 0.5),
             "ttft_ms_p99": pct(ttft, 0.99), "tpot_ms_p50": statistics.median(tpot) if tpot else float("nan"),
+            "tpot_ms_p99": pct(sorted(tpot), 0.99), "goodput_req_s": len(good) / wall_s,
+            "goodput_frac": len(good) / max(len(ok), 1),
             "tau": (sum(r["accepted"] for r in ok) + steps) / max(steps, 1),
             "channel_ms_per_step": sum(r["transfer_ms"] for r in ok) / max(steps, 1),
             "loop_ttft_ms_p50": statistics.median(r["first_token_ms"] for r in ok) if ok else float("nan"),
@@ -98,6 +120,39 @@ def engine_run(llm, prompts: list[str], concurrency: int, max_tokens: int, plain
     return records, time.monotonic() - t_start
 
 
+def engine_poisson(llm, prompts: list[str], offsets: list[float], max_tokens: int,
+                   plain: bool) -> tuple[list[dict], float]:
+    """Each prompt added at its arrival offset, stepping while any runs; -> (records, wall seconds)."""
+    from dspark_serve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    todo, live, records = list(zip(offsets, prompts)), {}, []
+    t_start = time.monotonic()
+    while todo or live:
+        now = time.monotonic() - t_start
+        while todo and todo[0][0] <= now:
+            at, prompt = todo.pop(0)
+            rid = llm.add_request(prompt, params, num_speculative_tokens=0 if plain else None)
+            live[rid] = {"t0": t_start + at, "t_first": None, "tokens": 0}
+        if not live:
+            time.sleep(max(0.0, todo[0][0] - now))
+            continue
+        for out in llm.step():
+            r = live.get(out.request_id)
+            if r is None:
+                continue
+            t = time.monotonic()
+            if out.new_token_ids and r["t_first"] is None:
+                r["t_first"] = t
+            if out.finished:
+                s = out.stats
+                records.append({**r, "t_end": t, "tokens": len(out.token_ids), "steps": s["steps"],
+                                "accepted": s["accepted"], "transfer_ms": s["transfer_ms"],
+                                "first_token_ms": s["first_token_ms"], "queue_ms": s["queue_ms"]})
+                del live[out.request_id]
+    return records, time.monotonic() - t_start
+
+
 def engine_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
     import torch
 
@@ -111,6 +166,11 @@ def engine_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
             engine_run(llm, prompts[:c], c, args.max_tokens, plain)  # warm-up: this level's graph buckets
             records, wall = engine_run(llm, prompts, c, args.max_tokens, plain)
             rows.append(_row("engine", c, plain, summarize(records, wall)))
+    for rate in args.request_rates:
+        offsets = arrivals(len(prompts), rate)
+        for plain in (True, False):
+            records, wall = engine_poisson(llm, prompts, offsets, args.max_tokens, plain)
+            rows.append(_row("engine", f"{rate:g}/s", plain, summarize(records, wall)))
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -119,8 +179,10 @@ def engine_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
 
 # -- the served pair: load from several client processes -------------------------------------------------------
 
-async def _client(address: str, application: str | None, jobs: list[tuple[str, bool]], concurrency: int,
+async def _client(address: str, application: str | None, jobs: list[tuple], concurrency: int,
                   max_tokens: int, start_at: float) -> list[dict]:
+    """Jobs (prompt, plain) kept `concurrency` in flight; or (prompt, plain, offset) each sent at start_at + offset
+    (concurrency 0: as many in flight as arrived)."""
     import grpc
 
     from dspark_serve.cluster.grpc_client import DSparkClient
@@ -131,30 +193,43 @@ async def _client(address: str, application: str | None, jobs: list[tuple[str, b
         stub = dspark_pb2_grpc.GenerationStub(channel)
         queue, records = list(jobs), []
 
+        async def one(prompt: str, plain: bool, at: float | None = None) -> None:
+            if at is not None:
+                await asyncio.sleep(max(0.0, start_at + at - time.monotonic()))
+            req = DSparkClient.request(prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                       disable_speculation=plain)
+            rec = {"t0": time.monotonic(), "t_first": None}
+            await _stream(stub, req, metadata, rec, records)
+
         async def worker() -> None:
             while queue:
-                prompt, plain = queue.pop(0)
-                req = DSparkClient.request(prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                           disable_speculation=plain)
-                rec = {"t0": time.monotonic(), "t_first": None}
-                try:
-                    async for msg in stub.Generate(req, metadata=metadata):
-                        if msg.HasField("chunk"):
-                            if rec["t_first"] is None and msg.chunk.token_ids:
-                                rec["t_first"] = time.monotonic()
-                        else:
-                            s = msg.complete.stats
-                            rec.update(t_end=time.monotonic(), tokens=len(msg.complete.output_ids),
-                                       steps=s.num_spec_steps, accepted=s.num_accepted_tokens,
-                                       transfer_ms=s.transfer_ms, first_token_ms=s.first_token_ms,
-                                       queue_ms=s.queue_ms)
-                except grpc.aio.AioRpcError as e:
-                    rec = {"error": e.code().name}
-                records.append(rec)
+                await one(*queue.pop(0))
 
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        if concurrency == 0:
+            await asyncio.gather(*(one(*job) for job in jobs))
+        else:
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
         return records
+
+
+async def _stream(stub, req, metadata, rec: dict, records: list[dict]) -> None:
+    """One Generate to its end: its record (times, tokens, stats) joins `records`."""
+    import grpc
+
+    try:
+        async for msg in stub.Generate(req, metadata=metadata):
+            if msg.HasField("chunk"):
+                if rec["t_first"] is None and msg.chunk.token_ids:
+                    rec["t_first"] = time.monotonic()
+            else:
+                s = msg.complete.stats
+                rec.update(t_end=time.monotonic(), tokens=len(msg.complete.output_ids), steps=s.num_spec_steps,
+                           accepted=s.num_accepted_tokens, transfer_ms=s.transfer_ms,
+                           first_token_ms=s.first_token_ms, queue_ms=s.queue_ms)
+    except grpc.aio.AioRpcError as e:
+        rec = {"error": e.code().name}
+    records.append(rec)
 
 
 def _client_proc(address, application, jobs, concurrency, max_tokens, start_at, out) -> None:
@@ -162,16 +237,18 @@ def _client_proc(address, application, jobs, concurrency, max_tokens, start_at, 
 
 
 def load(address: str, application: str | None, prompts: list[str], concurrency: int, max_tokens: int,
-         plain: bool, max_procs: int) -> tuple[list[dict], float]:
-    """`concurrency` streams over up to max_procs client processes; -> (records, wall seconds)."""
+         plain: bool, max_procs: int, offsets: list[float] | None = None) -> tuple[list[dict], float]:
+    """`concurrency` streams over up to max_procs client processes, or with `offsets` each prompt sent at its
+    arrival (every process takes every max_procs-th: each sees a thinned Poisson process); -> (records, wall s)."""
     ctx = mp.get_context("spawn")
-    procs = min(concurrency, max_procs)
+    procs = min(concurrency if offsets is None else len(prompts), max_procs)
     out = ctx.Queue()
     start_at = time.monotonic() + 2.0  # every process connected and waiting
     workers = []
     for p in range(procs):
-        jobs = [(prompts[i], plain) for i in range(p, len(prompts), procs)]
-        conc = concurrency // procs + (1 if p < concurrency % procs else 0)
+        idx = range(p, len(prompts), procs)
+        jobs = [(prompts[i], plain) if offsets is None else (prompts[i], plain, offsets[i]) for i in idx]
+        conc = 0 if offsets is not None else concurrency // procs + (1 if p < concurrency % procs else 0)
         w = ctx.Process(target=_client_proc, args=(address, application, jobs, conc, max_tokens, start_at, out))
         w.start()
         workers.append(w)
@@ -196,17 +273,27 @@ def served_rows(layout: str, address: str, application: str | None, args: argpar
             rows.append(_row(layout, c, plain, summarize(records, wall)))
             rows[-1]["graphs_recorded_during"] = stats.server_stats().num_cuda_graphs - graphs
             print(_line(rows[-1]), flush=True)
+    for rate in args.request_rates:
+        offsets = arrivals(len(prompts), rate)
+        for plain in (True, False):
+            records, wall = load(address, application, prompts, 0, args.max_tokens, plain, args.client_procs,
+                                 offsets)
+            rows.append(_row(layout, f"{rate:g}/s", plain, summarize(records, wall)))
+            print(_line(rows[-1]), flush=True)
     stats.close()
     return rows
 
 
-def _row(layout: str, c: int, plain: bool, summary: dict) -> dict:
-    return {"layout": layout, "concurrency": c, "mode": "plain" if plain else "spec", **summary}
+def _row(layout: str, level: int | str, plain: bool, summary: dict) -> dict:
+    """level: a concurrency, or a request rate ("4/s")."""
+    return {"layout": layout, "concurrency": level, "mode": "plain" if plain else "spec", **summary}
 
 
 def _line(r: dict) -> str:
-    return (f"{r['layout']:>8} c={r['concurrency']:<3} {r['mode']:<5} {r['tok_s']:9.1f} tok/s  TTFT p50 "
-            f"{r['ttft_ms_p50']:8.2f} p99 {r['ttft_ms_p99']:8.2f} ms  TPOT p50 {r['tpot_ms_p50']:6.3f} ms  tau "
+    level = f"c={r['concurrency']}" if isinstance(r["concurrency"], int) else f"rate {r['concurrency']}"
+    return (f"{r['layout']:>8} {level:<10} {r['mode']:<5} {r['tok_s']:9.1f} tok/s  TTFT p50 "
+            f"{r['ttft_ms_p50']:8.2f} p99 {r['ttft_ms_p99']:8.2f} ms  TPOT p50 {r['tpot_ms_p50']:6.3f} p99 "
+            f"{r['tpot_ms_p99']:6.3f} ms  goodput {r['goodput_req_s']:.2f} req/s ({r['goodput_frac']:.0%})  tau "
             f"{r['tau']:.2f}  channel {r['channel_ms_per_step']:.3f} ms/step  loop TTFT p50 {r['loop_ttft_ms_p50']:.2f} "
             f"queue {r['queue_ms_p50']:.2f} ms  graphs +{r.get('graphs_recorded_during', 0)}  errors {r['errors']}")
 
@@ -315,15 +402,17 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def print_table(rows: list[dict], summary: list[dict]) -> None:
-    print(f"\n{'layout':>8} {'c':>3} {'plain tok/s':>11} {'spec tok/s':>10} {'spec/plain':>10} {'spec/engine':>11} "
-          f"{'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'tau':>5} {'channel':>8}")
+    print(f"\n{'layout':>8} {'load':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'spec/plain':>10} {'spec/engine':>11} "
+          f"{'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'tau':>5} {'channel':>8} {'goodput plain/spec':>19}")
     by = {(r["layout"], r["concurrency"], r["mode"]): r for r in rows}
     for s in summary:
         sp, pl = by[(s["layout"], s["concurrency"], "spec")], by.get((s["layout"], s["concurrency"], "plain"))
         f = lambda x, w, p: f"{x:{w}.{p}f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
-        print(f"{s['layout']:>8} {s['concurrency']:>3} {f(pl and pl['tok_s'], 11, 1)} {sp['tok_s']:10.1f} "
+        good = f"{pl['goodput_req_s']:.2f} / {sp['goodput_req_s']:.2f}" if pl else "-"
+        print(f"{s['layout']:>8} {s['concurrency']!s:>6} {f(pl and pl['tok_s'], 11, 1)} {sp['tok_s']:10.1f} "
               f"{f(s['spec_over_plain'], 10, 2)} {f(s['spec_over_engine'], 11, 2)} {sp['ttft_ms_p50']:8.2f} "
-              f"{sp['ttft_ms_p99']:7.1f} {sp['tpot_ms_p50']:8.3f} {sp['tau']:5.2f} {sp['channel_ms_per_step']:8.3f}")
+              f"{sp['ttft_ms_p99']:7.1f} {sp['tpot_ms_p50']:8.3f} {sp['tau']:5.2f} {sp['channel_ms_per_step']:8.3f} "
+              f"{good:>19}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -336,6 +425,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--request-rates", type=float, nargs="*", default=[],
+                    help="also Poisson arrivals at these rates (requests/s; vLLM's --request-rate)")
+    ap.add_argument("--goodput-ttft-ms", type=float, default=200.0)
+    ap.add_argument("--goodput-tpot-ms", type=float, default=20.0)
     ap.add_argument("--requests", type=int, default=64, help="requests per level and mode")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--layouts", nargs="+", default=["engine", "default", "split", "serve"],
@@ -346,6 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    GOODPUT.update(ttft_ms=args.goodput_ttft_ms, tpot_ms=args.goodput_tpot_ms)
     prompts, template = chat_prompts(args.target, args.requests)
     rows: list[dict] = []
     result = {"target": args.target, "draft": args.draft, "speculative_config": args.speculative_config,

@@ -1,0 +1,30 @@
+"""bench/bench_service.py on a tiny pair for seconds: fixed concurrency and Poisson arrivals, in the engine and
+through a real server, with TTFT/TPOT percentiles and goodput per row."""
+
+import json
+import subprocess
+import sys
+
+from bench_scripts import BENCH, load_bench
+from byte_tokenizer import byte_tokenizer
+
+from dspark_serve.models.random_init import random_pair
+
+
+def test_bench_service_runs_concurrency_and_request_rates(tmp_path):
+    target, draft = random_pair(tmp_path, agree=0.005, block_size=6)
+    byte_tokenizer(256).save(str(target / "tokenizer.json"))  # the prompts are text (bench/prompts, chat-rendered)
+    bench = load_bench("bench_service")
+    assert bench.arrivals(4, 2.0, seed=1) == bench.arrivals(4, 2.0, seed=1) and bench.arrivals(4, 2.0)[0] == 0.0
+    out = tmp_path / "service.json"  # its client processes import it by name: a script run, not an import
+    subprocess.run([sys.executable, str(BENCH / "bench_service.py"), "--target", str(target), "--draft", str(draft),
+                    "--speculative-config", "{}", "--device", "cpu", "--levels", "2", "--request-rates", "8",
+                    "--requests", "4", "--max-tokens", "6", "--layouts", "engine", "default", "--num-kv-blocks", "256",
+                    "--max-model-len", "512", "--client-procs", "2", "--json", str(out)], check=True, timeout=600)
+    r = json.loads(out.read_text())
+    loads = {(row["layout"], row["concurrency"], row["mode"]) for row in r["rows"]}
+    assert loads == {(layout, level, mode) for layout in ("engine", "default") for level in (2, "8/s")
+                     for mode in ("plain", "spec")}
+    for row in r["rows"]:
+        assert row["requests"] == 4 and row["errors"] == 0 and row["tokens"] == 24, row
+        assert 0.0 <= row["goodput_frac"] <= 1.0 and row["tpot_ms_p99"] >= row["tpot_ms_p50"] > 0
