@@ -147,7 +147,8 @@ def spec_stats(stats: dict) -> pb.SpecStats:
         mean_acceptance_length=stats["tau"], draft_acceptance_rate=stats["accepted"] / drafted if drafted else 0.0,
         per_position_accepted=stats["per_position_accepted"], accepted_per_step=stats["accepted_per_step"],
         draft_ms=stats["draft_ms"], verify_ms=stats["verify_ms"], transfer_ms=stats.get("transfer_ms", 0.0),
-        queue_ms=stats.get("queue_ms", 0.0), first_token_ms=stats.get("first_token_ms", 0.0))
+        queue_ms=stats.get("queue_ms", 0.0), first_token_ms=stats.get("first_token_ms", 0.0),
+        cached_tokens=stats.get("cached_tokens", 0), verified_per_step=stats.get("verified_per_step", []))
 
 
 def chunk(request_id: str, token_ids: list[int], text_delta: str, num_output_tokens: int,

@@ -56,8 +56,10 @@ def spec_stats(finals: list[pb.GenerateComplete]) -> dict:
 def usage(finals: list[pb.GenerateComplete], n: int) -> dict:
     """finals in choice order; each prompt's tokens count once (its first of n choices)."""
     prompt = sum(f.num_prompt_tokens for i, f in enumerate(finals) if i % n == 0)
+    cached = sum(f.stats.cached_tokens for i, f in enumerate(finals) if i % n == 0)
     completion = sum(len(f.output_ids) for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def chat_logprobs(entries: list[pb.TokenLogprob], piece: Piece) -> dict:

@@ -40,8 +40,8 @@ class DraftContext:
     length: int = 0
     pending: list[Tensor] = field(default_factory=list)  # [rows, F] each, positions length .. num_computed - 1
 
-    def reset(self) -> None:
-        self.length, self.pending = 0, []
+    def reset(self, length: int = 0) -> None:
+        self.length, self.pending = length, []
 
 
 def draft_input(reqs: list[Request], contexts: list[DraftContext], anchors: list[int] | None = None,

@@ -46,6 +46,7 @@ class EngineConfig:
     chat_template: str | None = None  # a Jinja file rendering chat input, overriding the target's template
     kernels: KernelConfig | None = None  # None: KernelConfig.for_device(the engine's device)
     step_costs: StepCosts | None = None  # the policy's step costs; None: measured when the engine starts
+    enable_prefix_caching: bool = True  # full KV blocks shared between requests by the hash of their prefix
 
     def validate(self) -> None:
         """ValueError naming the field; the limits that need the loaded models (max_model_len against the target,
@@ -188,6 +189,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="tokens one step processes at most: decode rows, verified drafts and prompt chunks (long "
                         "prompts are prefilled in chunks beside running streams; vLLM's flag; default "
                         f"{DEFAULT_MAX_BATCHED_TOKENS}, at least --max-num-seqs)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="share full KV blocks (target and draft) between requests whose prompts start alike, evicted "
+                        "least recently used (vLLM's flag; default on)")
     p.add_argument("--step-costs",
                    help="the speculation policy's step costs (JSON or a JSON file, StepCosts.to_dict's shape: verify "
                         "ms by requests and tokens, draft ms by requests); default: measured when the engine starts")

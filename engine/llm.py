@@ -137,7 +137,8 @@ class LLM:
                 draft_side.use_static_shapes(self.max_model_len)
         self.token_text = TokenText(self.tokenizer) if self.tokenizer is not None else None
         self.grammars = Grammars(self.tokenizer, self.target.vocab_size, tuple(eos_token_ids or ()))  # compiled lazily
-        kv = KVCacheManager(num_kv_blocks, block_size, draft_side.num_blocks if draft_side is not None else None)
+        kv = KVCacheManager(num_kv_blocks, block_size, draft_side.num_blocks if draft_side is not None else None,
+                            cfg.enable_prefix_caching)
         sched = SchedulerConfig(max_num_seqs, cfg.batched_tokens, tuple(eos_token_ids or ()))
         self._costs = cfg.step_costs
         self.core = EngineCore(Scheduler(sched, kv, draft_shape(draft_side), self._policy(draft_side)),

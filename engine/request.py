@@ -32,6 +32,7 @@ class RequestStats:
     arrival: float = 0.0  # time.monotonic() when the scheduler took the request
     queue_ms: float = 0.0  # arrival -> admitted
     first_token_ms: float = 0.0  # arrival -> first token
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     @property
     def tau(self) -> float:
@@ -45,7 +46,7 @@ class RequestStats:
                 "per_position_accepted": list(self.per_position_accepted),
                 "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3),
                 "transfer_ms": round(self.transfer_ms, 3), "queue_ms": round(self.queue_ms, 3),
-                "first_token_ms": round(self.first_token_ms, 3)}
+                "first_token_ms": round(self.first_token_ms, 3), "cached_tokens": self.cached_tokens}
 
 
 @dataclass(eq=False)  # identity semantics: a live request is compared by object, never by its tensors
@@ -61,6 +62,11 @@ class Request:
     target_blocks: list[int] = field(default_factory=list)  # the KVCacheManager's to write
     draft_blocks: list[int] = field(default_factory=list)  # (the draft's context cache)
     num_computed: int = 0  # target K/V valid for positions [0, num_computed)
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache when admitted
+    block_hashes: list = field(default_factory=list)  # chained hashes of its full blocks of tokens (prefix cache)
+    registered_target: int = 0  # its target blocks registered in the prefix cache
+    registered_draft: int = 0  # its draft blocks registered there
+    draft_context_len: int = 0  # the draft's context K/V written for positions [0, this) (the executor's report)
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     banned_before_min: tuple[int, ...] = ()  # ids masked before min_tokens: EOS (unless ignore_eos), stop token ids

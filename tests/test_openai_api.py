@@ -119,7 +119,10 @@ def test_chat_completion_equals_its_stream(oai, hf_tokenizer):
     assert text == choice.message.content
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert reasons == ["length"]
-    assert chunks[-1].choices == [] and chunks[-1].usage == resp.usage
+    u, v = chunks[-1].usage, resp.usage
+    assert chunks[-1].choices == [] and (u.prompt_tokens, u.completion_tokens) == (v.prompt_tokens, v.completion_tokens)
+    # the same chat again: its prompt's full blocks come from the prefix cache (OpenAI's usage field)
+    assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens // 8 * 8 - 8 > 0
     assert chunks[-1].to_dict()["dspark"]["num_spec_steps"] >= 1
 
 

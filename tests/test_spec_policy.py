@@ -182,12 +182,18 @@ def test_greedy_equals_plain_for_any_lengths_changing_every_step(static, monkeyp
         assert any(split for *_, split in keys) and any(not split for *_, split in keys)  # split on device / host
 
 
+def _device_costs(line: StepCosts, batch: int, tokens: tuple[int, ...]) -> StepCosts:
+    """A table as the recorded graphs give it (a staircase of device times), from a smooth model."""
+    return StepCosts(((batch, tuple((t, line.verify_ms(batch, t)) for t in tokens)),),
+                     ((batch, line.draft_ms(batch)),), staircase=True)
+
+
 def test_the_host_share_of_a_step_is_learned_and_shifts_the_budget():
     """Steps whose wall time is mostly the host's (a busy Python step loop): the host's share is measured from the
     steps' wall times and added to each step's device time, so verifying more drafts per step (more tokens for the
     same host time) becomes worth it where the device table alone said no."""
     reqs = _reqs(8)
-    costs = StepCosts.linear(1.0, 0.05, 0.5, 0.0)
+    costs = _device_costs(StepCosts.linear(1.0, 0.05, 0.5, 0.0), 8, (8, 16, 24, 32, 40))
     policy = SpecPolicy(4, True, costs=costs)
     caps, pinned = [4] * 8, [False] * 8
     before = policy.view(reqs).budget(reqs, caps, pinned)
@@ -202,7 +208,7 @@ def test_the_host_share_of_a_step_is_learned_and_shifts_the_budget():
 
 def test_a_plain_step_is_explored_while_drafting_until_its_host_time_is_known():
     reqs = _reqs(4)
-    policy = SpecPolicy(4, True, costs=StepCosts.linear(1.0, 0.0, 0.1, 0.0))  # drafting always looks worth it
+    policy = SpecPolicy(4, True, costs=_device_costs(StepCosts.linear(1.0, 0.0, 0.1, 0.0), 4, (4, 8, 12, 16)))
     budgets, last = [], True
     for _ in range(60):
         budgets.append(policy.view(reqs).budget(reqs, [4] * 4, [False] * 4))

@@ -5,7 +5,7 @@ import torch
 
 from dspark_serve.engine.runner.prompt_graphs import prompt_layout
 from dspark_serve.engine.runner.staging import Layout
-from dspark_serve.engine.runner.target_graphs import step_layout
+from dspark_serve.engine.runner.target_graphs import verify_floats, verify_layout
 
 
 def test_pack_and_views_agree():
@@ -23,8 +23,10 @@ def test_pack_and_views_agree():
 
 
 def test_step_layouts_hold_what_the_graphs_read():
-    q, b, w = 4, 2, 3
-    assert step_layout(q, b, w).size == 3 * b * q + 2 * b + b * w
-    assert list(step_layout(q, b, w).lengths) == ["ids", "positions", "slots", "seq_lens", "num_drafts",
-                                                  "block_table"]
+    b, t, n, w = 2, 6, 3, 3
+    assert verify_layout(b, t, n, w).size == 4 * b + 1 + 3 * t + (b + 1) + 2 * b + b * (1 + n) + b * w
+    assert list(verify_layout(b, t, n, w).lengths) == ["anchors", "starts", "caps", "pinned", "budget", "src",
+                                                      "positions", "slots", "cu", "seq_lens", "num", "idx",
+                                                      "block_table"]
+    assert list(verify_floats(b, n).lengths) == ["ratios", "thresholds"] and verify_floats(b, n).size == b * n + b
     assert prompt_layout(32, 2).size == 2 * 32 + 1 + 2

@@ -63,8 +63,8 @@ class Executor:
 
     def _context(self, req: Request) -> DraftContext:
         ctx = self.contexts.get(req)
-        if ctx is None:
-            ctx = self.contexts[req] = DraftContext()
+        if ctx is None:  # what the prefix cache gave the request is in the draft's cache already
+            ctx = self.contexts[req] = DraftContext(req.draft_context_len)
         return ctx
 
     def _prefill(self, chunks: list[PrefillChunk]) -> dict[Request, tuple[int, list[tuple] | None]]:
@@ -88,8 +88,8 @@ class Executor:
         if self.draft is not None:
             for c, f in zip(chunks, feats):
                 ctx = self._context(c.req)
-                if c.start == 0:
-                    ctx.reset()
+                if c.first:  # what the prefix cache held is the draft's context too
+                    ctx.reset(c.start)
                 if f is not None:
                     ctx.pending.append(f)
         rows = [i for i, c in enumerate(chunks) if c.samples]

@@ -17,6 +17,7 @@ class PrefillChunk:
     start: int
     tokens: list[int]
     samples: bool  # the last chunk of a fresh prompt: its last position's logits give the first output token
+    first: bool = False  # the request's first chunk since admitted: the cache before `start` was found cached
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class RowResult:
     verified: int
     confidences: list[float] | None = None  # [N]
     logprobs: list[tuple] | None = None
+    draft_context: int = 0  # the draft's context K/V written for positions [0, this) (for the prefix cache)
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,12 @@ class SpecPolicy:
         self._age = 0
         self._host: dict = {}  # (batch bucket, drafted) -> ms
 
+    @property
+    def measures_host(self) -> bool:
+        """Whether the host's share of a step is measured online: when the costs are the device's alone (read off
+        the recorded CUDA graphs, a staircase); costs timed on the host's clock include it already."""
+        return self.costs is not None and self.costs.staircase
+
     def _row(self, req: Request) -> int:
         row = self._rows.get(req)
         if row is None:
@@ -184,7 +190,7 @@ class SpecPolicy:
         """A decode step's wall time (from its start to the next step's): what the host added to its device time
         becomes the estimate for its batch bucket. Not `steady` (the step before it drafted or not as it did not):
         it carries the other kind's queued work, and is not counted."""
-        if self.costs is None or not steady:
+        if not self.measures_host or not steady:
             return
         device = self.costs.verify_ms(num_reqs, num_tokens) + (self.costs.draft_ms(num_reqs) if drafted else 0.0)
         b = next((b for b, _ in self.costs.verify if b >= num_reqs), self.costs.verify[-1][0])
@@ -240,7 +246,7 @@ class SpecPolicy:
     def _plain_due(self, num_reqs: int) -> bool:
         """Plain steps are due (EXPLORE_RUN of them): the host's share of one is unknown for this batch size (after
         EXPLORE_EVERY drafting steps), or PLAIN_EVERY drafting steps passed."""
-        if self.costs is None:
+        if not self.measures_host:
             return False
         b = next((b for b, _ in self.costs.verify if b >= num_reqs), self.costs.verify[-1][0])
         due = self._drafted >= (EXPLORE_EVERY if (b, False) not in self._host else PLAIN_EVERY) \

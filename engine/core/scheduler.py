@@ -137,24 +137,27 @@ class Scheduler:
                 budget -= len(chunks[-1].tokens)
         while admit and self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            if not self.kv.grow(req, *self._need(req)):
+            if not self.kv.admit(req, _prefill_end(req), *self._need(req)):
                 break
             self.waiting.popleft()
             self.running.append(req)
             if not req.output_ids:
                 req.stats.queue_ms = 1e3 * (time.monotonic() - req.stats.arrival)
-            chunks.append(self._chunk(req, budget))
+                req.stats.cached_tokens = req.num_cached_tokens
+            if _decoding(req):  # everything before its last token was cached (a request preempted earlier)
+                continue
+            chunks.append(self._chunk(req, budget, first=True))
             budget -= len(chunks[-1].tokens)
         return chunks
 
-    def _chunk(self, req: Request, budget: int) -> PrefillChunk:
+    def _chunk(self, req: Request, budget: int, first: bool = False) -> PrefillChunk:
         """The next prompt chunk: after a preemption everything committed but the last token is recomputed."""
-        end = len(req.prompt_ids) if not req.output_ids else req.num_tokens - 1
+        end = _prefill_end(req)
         start = req.num_computed
         stop = min(end, start + budget)
         ids = req.prompt_ids[start:stop] if stop <= len(req.prompt_ids) else \
             (req.prompt_ids + req.output_ids)[start:stop]
-        return PrefillChunk(req, start, ids, samples=not req.output_ids and stop == end)
+        return PrefillChunk(req, start, ids, samples=not req.output_ids and stop == end, first=first)
 
     def _need(self, req: Request) -> tuple[int, int]:
         need = req.num_tokens + self.reserve
@@ -179,6 +182,7 @@ class Scheduler:
         for chunk in plan.prefill:
             req = chunk.req
             req.num_computed = chunk.start + len(chunk.tokens)
+            self.kv.commit(req)
             if chunk.samples:
                 token, logprobs = result.first_tokens[req]
                 req.stats.first_token_ms = 1e3 * (now - req.stats.arrival)
@@ -193,8 +197,11 @@ class Scheduler:
                                     [r.confidences for r in rows])
             for req, row in zip(plan.decode.reqs, rows):
                 req.num_computed += row.accepted + 1
+                req.draft_context_len = row.draft_context
                 _record(req, row.accepted, row.verified, result, self.draft)
                 outputs.append(self._emit(req, row.tokens, row.logprobs))
+                if not req.is_finished:
+                    self.kv.commit(req)
         self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
@@ -216,6 +223,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
+        self.kv.commit(req)  # what it computed stays cached for the next turn of its conversation
         self.kv.free(req)
         self._released.append(req)
         if self.policy is not None:
@@ -232,6 +240,11 @@ def output_of(req: Request, added: list[int], logprobs: list[tuple] | None = Non
     if req.finish_reason is None:
         return StepOutput(req.request_id, added, logprobs=logprobs)
     return StepOutput(req.request_id, added, req.finish_reason.value, req.stats.to_dict(), logprobs)
+
+
+def _prefill_end(req: Request) -> int:
+    """Positions a request's prefill computes: its prompt, or after a preemption every token but its last."""
+    return len(req.prompt_ids) if not req.output_ids else req.num_tokens - 1
 
 
 def _decoding(req: Request) -> bool:

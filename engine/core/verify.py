@@ -176,5 +176,6 @@ def finish(launched: Launched, rows, context_of: Callable[[Request], DraftContex
             context_of(r).pending.append(launched.feats[i, :a + 1])
         tokens = row[PACKED_TOKENS:PACKED_TOKENS + a + 1]
         out[r] = RowResult(tokens, a, k, conf[i] if conf is not None else None,
-                           lp.of_row(lp_values, i, tokens) if lp is not None else None)
+                           lp.of_row(lp_values, i, tokens) if lp is not None else None,
+                           context_of(r).length if context_of is not None else 0)
     return out
