@@ -120,6 +120,17 @@ class DraftSide:
         need_q = self.spec.draft_sample_method != "greedy" and bool((temps >= 1e-5).any())
         return g.propose_chained(packed, anchor_pos, tables, temps, seeds, need_q, shape, feats)
 
+    @torch.inference_mode()
+    def write_context(self, inp: DraftInput) -> None:
+        """Only the context K/V of the input's new rows (no block, no proposal): a finished prompt's context, so
+        the prefix cache holds it whether or not the request ever drafts."""
+        todo = [i for i, k in enumerate(inp.ctx_len.tolist()) if k > 0]
+        if not todo or inp.features is None:
+            return
+        tables, starts, lens = inp.block_table.tolist(), inp.ctx_start.tolist(), inp.ctx_len.tolist()
+        self._write_context(inp.features, [tables[i] for i in todo], [starts[i] for i in todo],
+                            [lens[i] for i in todo])
+
     def _write_context(self, features: Tensor, tables: list[list[int]], starts: list[int], lens: list[int]) -> None:
         """Eagerly: context K/V of lens[i] new rows at positions starts[i].. (features [sum(lens), F])."""
         meta = batch_metadata(tables, starts, lens, self.block_size, self.device)

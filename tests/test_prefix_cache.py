@@ -11,6 +11,7 @@ from engine_pairs import build_pair
 from dspark_serve.engine.block_hash import block_hashes
 from dspark_serve.engine.core.block_pool import BlockPool
 from dspark_serve.engine.llm import LLM
+from dspark_serve.models.demo import demo_target_dir
 from dspark_serve.engine.sampling_params import SamplingParams
 
 SYSTEM = [(7 * i + 3) % 250 for i in range(300)]  # a shared system prompt, many blocks long
@@ -108,3 +109,18 @@ def test_abort_mid_prefill_leaves_only_computed_blocks_cached():
     ref = _llm(target, draft, False, num_kv_blocks=400).generate([long], SamplingParams(temperature=0.0,
                                                                                        max_tokens=4))[0]
     assert out.token_ids == ref.token_ids and out.stats["cached_tokens"] == 0  # the draft had none of it
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (demo_target_dir() / ".dspark-converted").is_file(), reason="the demo target is not fetched")
+def test_the_demo_pairs_second_request_with_a_700_token_system_prompt_is_cached():
+    from dspark_serve.models.demo import DEMO_DRAFTER
+
+    llm = LLM(demo_target_dir(), DEMO_DRAFTER, device="cpu", dtype=torch.float32, num_kv_blocks=256)
+    system = "You are a careful Python reviewer. " + " ".join(f"Rule {i}: keep functions short." for i in range(120))
+    outs = []
+    for question in ("Review: def f(x): return x", "Review: def g(): pass"):
+        chat = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        outs.append(llm.generate([chat], SamplingParams(temperature=0.0, max_tokens=2))[0])
+    prompt = len(outs[1].prompt_ids)
+    assert prompt >= 700 and outs[1].stats["cached_tokens"] >= 0.9 * prompt, (prompt, outs[1].stats["cached_tokens"])

@@ -18,7 +18,7 @@ from ..rejection import verify_mixed
 from ..request import Request
 from ..spec_config import SpeculativeConfig
 from ..target_side import TargetSide
-from .pipeline import Launched, StepPipeline
+from .pipeline import ContextWriter, Launched, StepPipeline
 from .plan import DecodePlan, PrefillChunk, RowResult, SchedulerOutput, StepResult
 from .policy import cap_drafts
 from .verify import Rows, finish, launch, sampling_tensors, verify_hints
@@ -30,6 +30,7 @@ class Executor:
         self.pipeline = StepPipeline(target.device, draft)  # what each step launches ahead for the next
         self.contexts: dict[Request, DraftContext] = {}  # the draft's context of each running request
         self.prompt_logprobs: dict[Request, list[tuple]] = {}  # collected over a prompt's chunks, until its end
+        self.draft_context: dict[Request, int] = {}  # this step's prompts' draft context written (for the cache)
         self._lost = False  # the draft stopped answering during the step
 
     def set_draft(self, draft: Drafter | None) -> None:
@@ -47,11 +48,12 @@ class Executor:
         for req in plan.released:
             self.contexts.pop(req, None)
             self.prompt_logprobs.pop(req, None)
+        self.draft_context = {}
         first = self._prefill(plan.prefill) if plan.prefill else {}
         scored = {c.req: self.prompt_logprobs.pop(c.req) for c in plan.prefill if c.samples and c.req in
                   self.prompt_logprobs}
         if plan.decode is None:
-            return StepResult([], first, prompt_logprobs=scored)
+            return StepResult([], first, prompt_logprobs=scored, draft_context=self.draft_context)
         self._lost = False
         try:
             rows, drafted, times = self._decode(plan.decode)
@@ -59,7 +61,8 @@ class Executor:
             self._lose_draft()
             d = plan.decode
             rows, drafted, times = self._decode(replace(d, caps=[0] * len(d.reqs), budget=0))
-        return StepResult(rows, first, self._lost, drafted, *times, prompt_logprobs=scored)
+        return StepResult(rows, first, self._lost, drafted, *times, prompt_logprobs=scored,
+                          draft_context=self.draft_context)
 
     def _context(self, req: Request) -> DraftContext:
         ctx = self.contexts.get(req)
@@ -92,6 +95,7 @@ class Executor:
                     ctx.reset(c.start)
                 if f is not None:
                     ctx.pending.append(f)
+        self._write_contexts([c for c in chunks if c.samples])
         rows = [i for i, c in enumerate(chunks) if c.samples]
         if not rows:
             return {}
@@ -108,6 +112,17 @@ class Executor:
         lp_values = lp.values.tolist() if lp is not None else None
         return {r: (tok, lp.of_row(lp_values, i, [tok]) if lp is not None else None)
                 for i, (r, tok) in enumerate(zip(sub, tokens[:, 0].tolist()))}
+
+    def _write_contexts(self, chunks: list[PrefillChunk]) -> None:
+        """Prompts just prefilled: their draft context written now (a local draft), so the prefix cache can hold it
+        even for a request that never drafts; the next draft would write it anyway."""
+        if not chunks or not isinstance(self.draft, ContextWriter):
+            return
+        reqs = [c.req for c in chunks]
+        contexts = [self._context(r) for r in reqs]
+        self.draft.write_context(draft_input(reqs, contexts, computed=[c.start + len(c.tokens) for c in chunks]))
+        for r, c in zip(reqs, contexts):
+            self.draft_context[r] = c.length
 
     def _scored(self, c: PrefillChunk) -> tuple[Tensor, Tensor | None]:
         """A prompt chunk of a request asking for prompt logprobs, PROMPT_CHUNK_TOKENS positions at a time with all

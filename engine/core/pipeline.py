@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from ..drafter import DraftContext, DraftProposal, Drafter
+from ..drafter import DraftContext, DraftInput, DraftProposal, Drafter
 from ..logits_processing import StepLogprobs
 from ..request import Request
 
@@ -37,6 +37,13 @@ class ChainingDrafter(Protocol):
         """The draft of the step after a verify still on the device (packed: its accept, rejection.pack_accept;
         feats [R, 1 + N, F] its features), queued behind it; None when it cannot be staged."""
         ...
+
+
+@runtime_checkable
+class ContextWriter(Protocol):
+    """A draft that can write context K/V alone (engine/draft_side.py's DraftSide)."""
+
+    def write_context(self, inp: DraftInput) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -72,4 +72,5 @@ class StepResult:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     transfer_ms: float = 0.0
+    draft_context: dict | None = None  # Request -> the draft context written for its prompt this step
     prompt_logprobs: dict | None = None  # Request -> its prompt logprobs (engine/prompt_logprobs.py), with its first token

@@ -182,6 +182,7 @@ class Scheduler:
         for chunk in plan.prefill:
             req = chunk.req
             req.num_computed = chunk.start + len(chunk.tokens)
+            req.draft_context_len = (result.draft_context or {}).get(req, req.draft_context_len)
             self.kv.commit(req)
             if chunk.samples:
                 token, logprobs = result.first_tokens[req]
