@@ -1,6 +1,8 @@
-"""Soak: `dspark-serve serve` on a tiny pair under c concurrent streams for a long time. Every output must equal the
-same request's solo run, no request may fail, and the server's memory (the gateway and its actors, summed) may
-not grow. Prints a line per minute; writes a JSON summary.
+"""Soak: `dspark-serve serve` on a tiny pair under c concurrent streams for a long time. Every greedy output must
+equal the same request's solo run (a seeded sampled one too when speculation verifies every draft,
+--all-drafts: with the default policy how many drafts a step verifies depends on the batch, and with it which
+tokens a sampled request draws), no request may fail, and the server's memory (the gateway and its actors, summed)
+may not grow. Prints a line per minute; writes a JSON summary.
 
 usage: python bench/bench_soak.py [--minutes 30] [--concurrency 64] [--max-tokens 64] [--json OUT]
 """
@@ -78,7 +80,7 @@ async def soak(address: str, pid: int, args: argparse.Namespace) -> dict:
             ids, err = await one(stub, prompt, params, args.max_tokens)
             assert err is None, err
             solo.append(ids)
-        counts = {"requests": 0, "errors": 0, "mismatches": 0, "tokens": 0}
+        counts = {"requests": 0, "errors": 0, "mismatches": 0, "sampled_unlike_solo": 0, "tokens": 0}
         rss, start = [tree_rss_mb(pid)], time.monotonic()
         end = start + 60 * args.minutes
         next_report = start + 60
@@ -91,7 +93,11 @@ async def soak(address: str, pid: int, args: argparse.Namespace) -> dict:
                 counts["requests"] += 1
                 counts["tokens"] += len(ids)
                 counts["errors"] += err is not None
-                counts["mismatches"] += err is None and ids != solo[i % len(reqs)]
+                unlike = err is None and ids != solo[i % len(reqs)]
+                if params["temperature"] == 0.0 or args.all_drafts:
+                    counts["mismatches"] += unlike
+                else:
+                    counts["sampled_unlike_solo"] += unlike
                 i += args.concurrency
 
         async def monitor() -> None:
@@ -119,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--distinct", type=int, default=96, help="distinct requests, cycled")
+    ap.add_argument("--all-drafts", action="store_true",
+                    help="speculation verifies every draft (the policy off): seeded sampled outputs must match too")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from dspark_serve.models.random_init import random_pair
@@ -129,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
                str(draft), "--device", "cpu", "--host", "127.0.0.1", "--port", "0", "--block-size", "8",
                "--num-kv-blocks", "4096", "--max-num-seqs", str(args.concurrency),
                "--max-queue", str(2 * args.concurrency)]
+        if args.all_drafts:
+            cmd += ["--speculative-config", json.dumps({"enable_adaptive_verification": False})]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True, env=env)
