@@ -61,9 +61,12 @@ class StepCosts:
 
     def token_steps(self, num_reqs: int, max_tokens: int) -> list[int]:
         """The token counts worth comparing for `num_reqs` requests, up to max_tokens: on a staircase each
-        step's top (more tokens within a step cost nothing), else every count."""
+        step's top (more tokens within a step cost nothing), else every count (at most 64, evenly spread)."""
         if not self.staircase:
-            return list(range(num_reqs, max_tokens + 1))
+            span = max_tokens - num_reqs
+            if span <= 64:
+                return list(range(num_reqs, max_tokens + 1))
+            return sorted({num_reqs + round(span * i / 64) for i in range(65)})
         row = next((pts for b, pts in self.verify if b >= num_reqs), self.verify[-1][1])
         tops = [s for s, _ in row if num_reqs <= s < max_tokens]
         return sorted(set(tops + [num_reqs, max_tokens]))
