@@ -2,13 +2,8 @@
 aborts in, and one frame of outputs per step out. Ray only sets it up (the address and a secret, over Ray's
 authenticated calls); the connection is authenticated by the secret before any frame is read.
 
-Frames: a 4-byte big-endian length, then a pickle of plain tuples (the gateway imports no torch):
-  in:  ("add", request_id, prompt_ids, params, num_speculative_tokens, confidence_threshold)
-       ("abort", [request_id, ...])
-  out: ("step", [(request_id, new_token_ids, finish_reason, stats[, logprobs]), ...])  logprobs: only for
-       requests that asked, per new token (token_id, logprob, [(token_id, logprob), ...])
-       ("rejected", request_id, message)    an add the engine refused (the gateway validates first)
-       ("fatal", message)                   the step loop died: every open request has failed
+Frames: a 4-byte big-endian length, then a pickle of one of actors/frames.py's named tuples: Add and Abort in;
+Step (every sequence's Output of one step), Rejected and Fatal out.
 """
 
 from __future__ import annotations
@@ -21,6 +16,8 @@ import select
 import socket
 import struct
 from typing import Any
+
+from .frames import Add, Step
 
 _LEN = struct.Struct("!I")
 SECRET_BYTES = 32
@@ -49,14 +46,14 @@ class StreamServer:
     def connected(self) -> bool:
         return self.conn is not None
 
-    def poll(self, timeout_s: float) -> tuple[list[tuple], bool]:
+    def poll(self, timeout_s: float) -> tuple[list[Any], bool]:
         """-> (the frames that arrived, whether the gateway went away). Waits up to timeout_s for the first."""
         socks = [self.listener] + ([self.conn] if self.conn is not None else [])
         ready, _, _ = select.select(socks, [], [], timeout_s)
         lost = False
         if self.listener in ready:
             lost = self._accept()
-        frames: list[tuple] = []
+        frames: list[Any] = []
         if self.conn is not None and self.conn in ready:
             try:
                 data = self.conn.recv(1 << 20)
@@ -93,7 +90,7 @@ class StreamServer:
         self.conn = conn
         return replaced
 
-    def _frames(self) -> list[tuple]:
+    def _frames(self) -> list[Any]:
         out, buf, pos = [], self._buf, 0
         while len(buf) - pos >= _LEN.size:
             (n,) = _LEN.unpack_from(buf, pos)
@@ -192,17 +189,17 @@ class SyncStreamClient:
         """Add every request (id -> (prompt ids, sampling params)) and collect each one's tokens, finish reason
         and stats."""
         for rid, (ids, params) in requests.items():
-            self.send(("add", rid, ids, params, None, None))
+            self.send(Add(rid, ids, params))
         tokens: dict[str, list[int]] = {rid: [] for rid in requests}
         done: dict[str, tuple[list[int], str, dict]] = {}
         while len(done) < len(requests):
             frame = self.recv()
-            if frame[0] != "step":
+            if not isinstance(frame, Step):
                 raise RuntimeError(f"the step loop answered {frame}")
-            for rid, new, reason, stats in (rec[:4] for rec in frame[1]):
-                tokens[rid] += new
-                if reason is not None:
-                    done[rid] = (tokens[rid], reason, stats)
+            for out in frame.outputs:
+                tokens[out.request_id] += out.new_token_ids
+                if out.finish_reason is not None:
+                    done[out.request_id] = (tokens[out.request_id], out.finish_reason, out.stats)
         return done
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.draft_config import DraftConfig
 
 from .channel import VerifierEnd, free_port
+from .frames import Abort, Add, Fatal, Inbound, Output, Rejected, Step
 from .grammar_adds import COMPILE_POLL_S, GrammarAdds
 from .placement_env import actor_device, node_ip, set_cpu_threads
 from .remote_draft import RemoteDraft
@@ -138,7 +139,7 @@ class VerifierActor:
                     if error is None:
                         self._add(rid, req)
                     else:
-                        self.stream.send(("rejected", rid, error))
+                        self.stream.send(Rejected(rid, error))
                 self._heartbeat = time.monotonic()
                 self._swap_draft()
                 if self.llm.has_unfinished():
@@ -150,7 +151,7 @@ class VerifierActor:
                     self._keep_channel_alive()
         except Exception:  # the loop must not die silently: health reports it, the gateway fails every stream
             self._error = traceback.format_exc()
-            self.stream.send(("fatal", "the step loop failed"))
+            self.stream.send(Fatal("the step loop failed"))
         finally:
             self._stop = True
             if isinstance(self.llm.draft, RemoteDraft):
@@ -175,11 +176,11 @@ class VerifierActor:
                 self.llm.set_draft(None)
                 self._close_channel()
 
-    def _apply(self, frame: tuple) -> None:
-        if frame[0] == "add":
-            _, rid, prompt_ids, params, n, threshold = frame
+    def _apply(self, frame: Inbound) -> None:
+        if isinstance(frame, Add):
+            rid, prompt_ids, params, n, threshold = frame
             if self._draining:
-                self.stream.send(("rejected", rid, "draining: not accepting new requests"))
+                self.stream.send(Rejected(rid, "draining: not accepting new requests"))
                 return
             if params.get("structured_outputs") is not None:  # its grammar compiles in a worker thread
                 self.grammar_adds.submit(rid, rid, prompt_ids, params, n, threshold)
@@ -188,13 +189,13 @@ class VerifierActor:
                 req = self.llm.new_request(prompt_ids, SamplingParams(**params), request_id=rid,
                                            num_speculative_tokens=n, confidence_threshold=threshold)
             except (ValueError, TypeError) as e:
-                self.stream.send(("rejected", rid, str(e)))
+                self.stream.send(Rejected(rid, str(e)))
                 return
             self._add(rid, req)
-        elif frame[0] == "abort":
-            for rid in frame[1]:
+        elif isinstance(frame, Abort):
+            for rid in frame.request_ids:
                 if self.grammar_adds.cancel(rid):  # still compiling: it ends here
-                    self.stream.send(("step", [(rid, [], "abort", RequestStats().to_dict())]))
+                    self.stream.send(Step([Output(rid, [], "abort", RequestStats().to_dict())]))
                 else:
                     self.llm.abort(rid)
 
@@ -202,7 +203,7 @@ class VerifierActor:
         try:
             self.llm.core.add(req)
         except ValueError as e:
-            self.stream.send(("rejected", rid, str(e)))
+            self.stream.send(Rejected(rid, str(e)))
 
     def _publish(self, outs: list[StepOutput]) -> None:
         c = self._counters
@@ -213,8 +214,7 @@ class VerifierActor:
                 c["steps"] += o.stats["steps"]
                 c["accepted"] += o.stats["accepted"]
         if outs:
-            self.stream.send(("step", [o[:4] if o.logprobs is None and o.prompt_logprobs is None else tuple(o)
-                                       for o in outs]))
+            self.stream.send(Step([Output(*o) for o in outs]))
 
     def drain(self) -> bool:
         self._draining = True

@@ -14,6 +14,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from dspark_serve.actors.frames import Abort, Add, Fatal, Output, Rejected, Step
 from dspark_serve.actors.request_stream import StreamClient
 from dspark_serve.engine.detokenize import TokenText, text_stream
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
@@ -109,12 +110,12 @@ class GatewayCore:
         try:
             while True:
                 frame = await conn.recv()
-                if frame[0] == "step":
-                    for rec in frame[1]:
-                        self._deliver(rec[0], rec)
-                elif frame[0] == "rejected":
-                    self._deliver(frame[1], GatewayError("INVALID_ARGUMENT", frame[2]))
-                elif frame[0] == "fatal":
+                if isinstance(frame, Step):
+                    for out in frame.outputs:
+                        self._deliver(out.request_id, out)
+                elif isinstance(frame, Rejected):
+                    self._deliver(frame.request_id, GatewayError("INVALID_ARGUMENT", frame.message))
+                elif isinstance(frame, Fatal):
                     self._fail_all("the model pair failed; the request did not complete")
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             if conn is self.conn:
@@ -254,7 +255,7 @@ class GatewayCore:
                     yield aborted_final(rid, i, len(ids))
                 return
             for i, (key, live) in enumerate(zip(keys, lives)):
-                self.conn.send(("add", key, ids, convert.sequence_params(params, i), n, threshold))
+                self.conn.send(Add(key, ids, convert.sequence_params(params, i), n, threshold))
                 live.sent = True
             ended.num_seqs, ended.num_prompt_tokens = num_seqs, len(ids)
             sent = None  # when the last chunk went out
@@ -275,7 +276,7 @@ class GatewayCore:
                     except GatewayError as e:  # the step loop names the request by its key; the client knows its id
                         raise GatewayError(e.code, e.message.replace(key, rid)) from None
                     if stopped and self.conn is not None:  # a stop string: the step loop ends it (stats come then)
-                        self.conn.send(("abort", [key]))
+                        self.conn.send(Abort([key]))
                     if final is not None:
                         done[i] = True
                         self.live.pop(key, None)
@@ -290,7 +291,7 @@ class GatewayCore:
             self.keys.pop((caller, rid), None)
             left = [key for key, d, live in zip(keys, done, lives) if not d and live.sent]
             if left and self.conn is not None:  # client gone, deadline, or error: free their blocks
-                self.conn.send(("abort", left))
+                self.conn.send(Abort(left))
 
     def _open(self, key: str, stop: tuple[str, ...], params: dict, wake: asyncio.Event, score_only: bool) -> LiveSequence:
         """One sequence's entry in live, with its text options."""
@@ -304,7 +305,7 @@ class GatewayCore:
         many streams, each message carries several steps, and the gateway's time per step stays bounded."""
         gap = len(self.live) / self.cfg.stream_messages_per_s
         wait = sent + gap - asyncio.get_running_loop().time()
-        if wait > 1e-4 and not any(isinstance(x, tuple) and x[2] is not None for live in lives for x in live.pending):
+        if wait > 1e-4 and not any(isinstance(x, Output) and x.finish_reason is not None for live in lives for x in live.pending):
             await asyncio.sleep(wait)
 
     async def abort(self, ids: list[str], caller: str) -> list[str]:
@@ -323,7 +324,7 @@ class GatewayCore:
                 live.aborted = True
             sent += [key for key in self.keys[caller, rid] if key in self.live and self.live[key].sent]
         if sent:
-            self.conn.send(("abort", sent))
+            self.conn.send(Abort(sent))
         return known
 
     def _check_pair(self) -> None:
@@ -361,12 +362,12 @@ class GatewayCore:
             await asyncio.sleep(0.05)
             gone = pair_gone is not None and await pair_gone()
         if self.live and self.conn is not None:
-            self.conn.send(("abort", list(self.live)))
+            self.conn.send(Abort(list(self.live)))
             end = loop.time() + (1.0 if gone else PAIR_TIMEOUT_S)
             while self.live and loop.time() < end:
                 await asyncio.sleep(0.02)
         for key in list(self.live):  # the pair did not end them: they end here
-            self._deliver(key, (key, [], "abort", convert.NO_STATS))
+            self._deliver(key, Output(key, [], "abort", convert.NO_STATS))
 
 
 def _token_text(tokenizer_json: str) -> TokenText:

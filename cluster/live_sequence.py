@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from dspark_serve.actors.frames import Output
 from dspark_serve.engine.detokenize import TextStream
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
@@ -16,7 +17,7 @@ from . import convert
 class LiveSequence:
     text: TextStream
     num_prompt_tokens: int
-    pending: list = field(default_factory=list)  # step records (or an exception to raise) not taken yet
+    pending: list = field(default_factory=list)  # Outputs (or an exception to raise) not taken yet
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     stop_sent: bool = False
     score_only: bool = False  # max_tokens 0: the prompt's logprobs only; the engine's one token is dropped
@@ -24,7 +25,7 @@ class LiveSequence:
     aborted: bool = False  # an Abort came before its add went out
 
 
-def take(key: str, live: LiveSequence, items: list) -> tuple[pb.GenerateResponse | None, pb.GenerateResponse | None,
+def take(key: str, live: LiveSequence, items: list[Output | Exception]) -> tuple[pb.GenerateResponse | None, pb.GenerateResponse | None,
                                                                bool]:
     """Every record that arrived since the stream last looked, as one chunk (a slow client gets fewer, larger
     chunks), the final message if the sequence ended, and whether a stop string just ended its text (the step loop
@@ -33,17 +34,17 @@ def take(key: str, live: LiveSequence, items: list) -> tuple[pb.GenerateResponse
     for item in items:
         if isinstance(item, Exception):
             raise item
-        new, reason, stats = item[1:4]
-        if len(item) > 5 and item[5] is not None:
-            prompt_logprobs = item[5]
+        new, reason, stats = item.new_token_ids, item.finish_reason, item.stats
+        if item.prompt_logprobs is not None:
+            prompt_logprobs = item.prompt_logprobs
         if live.score_only:
             new = []
         if not live.text.stopped:
             kept, delta = live.text.push(new)
             ids += kept
             text.append(delta)
-            if len(item) > 4 and item[4]:  # the request asked for logprobs: one per token
-                logprobs += item[4][:len(kept)]
+            if item.logprobs:  # the request asked for logprobs: one per token
+                logprobs += item.logprobs[:len(kept)]
             if live.text.stopped and reason is None and not live.stop_sent:
                 live.stop_sent = stopped = True
         if reason is not None:

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from service import ServerProcess
 
+from dspark_serve.actors.frames import Add, Fatal
 from dspark_serve.actors.request_stream import SyncStreamClient
 from dspark_serve.cluster.grpc_client import DSparkClient
 from dspark_serve.engine.llm import LLM
@@ -145,7 +146,7 @@ def test_a_failed_step_loop_ends_every_open_stream_at_once(pair_dirs, monkeypatc
                                                   num_kv_blocks=256, block_size=8),
                                      colocate=True, channel_host="127.0.0.1"))
     actor.start()
-    step = actor.llm.scheduler.step
+    step = actor.llm.core.step
     calls = {"n": 0}
 
     def failing_step():
@@ -154,7 +155,7 @@ def test_a_failed_step_loop_ends_every_open_stream_at_once(pair_dirs, monkeypatc
             raise RuntimeError("injected device fault")
         return step()
 
-    monkeypatch.setattr(actor.llm.scheduler, "step", failing_step)
+    monkeypatch.setattr(actor.llm.core, "step", failing_step)
     errors, ended = [], []
 
     async def main():
@@ -205,9 +206,9 @@ def test_the_step_loop_reports_its_failure_on_the_request_stream(pair_dirs, monk
                                                   num_kv_blocks=256, block_size=8),
                                      colocate=True, channel_host="127.0.0.1"))
     actor.start()
-    monkeypatch.setattr(actor.llm.scheduler, "step", lambda: (_ for _ in ()).throw(RuntimeError("injected")))
+    monkeypatch.setattr(actor.llm.core, "step", lambda: (_ for _ in ()).throw(RuntimeError("injected")))
     client = SyncStreamClient(*actor.stream_address())
-    client.send(("add", "a", [1, 2, 3], {"temperature": 0.0, "max_tokens": 8}, None, None))
-    assert client.recv()[0] == "fatal"
+    client.send(Add("a", [1, 2, 3], {"temperature": 0.0, "max_tokens": 8}))
+    assert client.recv() == Fatal("the step loop failed")
     assert actor.wait_stopped() is not None and not actor.health()["ok"]
     client.close()

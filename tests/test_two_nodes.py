@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from dspark_serve.actors.frames import Add, Step
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.random_init import random_pair
@@ -23,11 +24,11 @@ def _read_until_done(client, wanted: set[str], tokens: dict, steps: int | None =
     done = {}
     while wanted - done.keys() and steps != 0:
         frame = client.recv()
-        assert frame[0] == "step", frame
-        for rid, new, reason, stats in frame[1]:
-            tokens.setdefault(rid, []).extend(new)
-            if reason is not None:
-                done[rid] = stats
+        assert isinstance(frame, Step), frame
+        for out in frame.outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                done[out.request_id] = out.stats
         steps = None if steps is None else steps - 1
     return done
 
@@ -62,14 +63,14 @@ def test_pair_on_two_nodes_survives_losing_the_draft_node(tmp_path):
         client = pair.stream_client()
         body = {"temperature": 0.0, "max_tokens": TOKENS, "ignore_eos": True}
         for i, p in enumerate(PROMPTS):
-            client.send(("add", f"a{i}", p, body, None, None))
+            client.send(Add(f"a{i}", p, body))
         tokens: dict = {}
         done = _read_until_done(client, {f"a{i}" for i in range(4)}, tokens)
         assert [tokens[f"a{i}"] for i in range(4)] == refs
         assert all(s["tau"] > 1.5 for s in done.values())
 
         for i, p in enumerate(PROMPTS):
-            client.send(("add", f"b{i}", p, body, None, None))
+            client.send(Add(f"b{i}", p, body))
         tokens = {}
         _read_until_done(client, set(), tokens, steps=3)  # under way
         cluster.remove_node(draft_node)
@@ -83,7 +84,7 @@ def test_pair_on_two_nodes_survives_losing_the_draft_node(tmp_path):
             time.sleep(0.2)
         assert ray.get(pair.verifier.stats.remote())["speculating"]
         assert ray.get(pair.draft.info.remote())["node_id"] == new_node.node_id
-        client.send(("add", "c", PROMPTS[0], body, None, None))
+        client.send(Add("c", PROMPTS[0], body))
         tokens = {}
         done = _read_until_done(client, {"c"}, tokens)
         assert tokens["c"] == refs[0] and done["c"]["tau"] > 1.5

@@ -41,7 +41,7 @@ class KVCacheManager:
         hold (at least the last position is left to compute), then new blocks up to target_tokens / draft_tokens.
         Sets num_computed (and num_cached_tokens) to the cached prefix; False, holding nothing, when short."""
         hit: list[int] = []
-        if self.caching:
+        if self.caching and req.params.prompt_logprobs is None:  # prompt logprobs need every position computed
             hashes = self._hashes(req, (prefill_end - 1) // self.block_size)
             hit = self.target.cached_prefix(hashes)
             if self.draft is not None:
@@ -57,7 +57,7 @@ class KVCacheManager:
             req.draft_blocks = list(drafted)
         if not self.grow(req, target_tokens, draft_tokens):
             self.free(req)
-            if self.caching:
+            if self.caching and req.params.prompt_logprobs is None:
                 self.queries -= prefill_end
                 self.hits -= n * self.block_size
             return False
