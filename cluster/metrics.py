@@ -19,7 +19,7 @@ FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0)
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-VERIFIED_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # drafts verified per step
+VERIFIED_BUCKETS = (0.5, 1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # drafts verified per step (le=0.5: none); Ray wants > 0
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0)
 REFRESH_S = 1.0  # the gauges are read from the verifier at most this often
