@@ -18,7 +18,7 @@ def test_graph_reserve_is_the_largest_steps_logits_and_what_each_graph_keeps():
     buckets = GraphBuckets(batch=(1, 2, 4, 8), context=(256, 8192))  # 8192 is past WARM_CONTEXT: batch 1 only
     logits = 4 * 8 * 1000 * 4  # max_batch 3 -> bucket 4, rows of 1 + 7 positions, fp32
     per_row = 8 * (2 * (64 + 96) + 16)  # 8 positions: hidden + features bf16, the accept
-    graphs = {1: 6, 2: 6, 4: 6}  # token sizes 1, 2, 3, 4, 6, 8 per row
+    graphs = {1: 4, 2: 4, 4: 4}  # token sizes 1, 2, 4, 8 per row
     kept = sum(n * b * per_row for b, n in graphs.items()) + graphs[1] * per_row  # 8192: batch 1 only
     assert graph_reserve_bytes(1000, 7, 3, 64, 96, buckets) == logits + kept
 

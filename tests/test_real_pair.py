@@ -62,6 +62,8 @@ def test_bench_pair_reports_speed_and_a_step_profile(tmp_path):
     r = subprocess.run([sys.executable, str(HELDOUT.parents[1] / "bench_pair.py"), "--sets", "code",
                         "--temperatures", "0", "--accept-prompts", "2", "--accept-batch", "2", "--max-tokens", "12",
                         "--speed-prompts", "1", "--device", "cpu", "--profile", "--concurrency", "2",
+                        # every draft verified: on a CPU the policy would rightly decode plainly
+                        "--speculative-config", '{"dspark_draft_topk": 64, "enable_adaptive_verification": false}',
                         "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
