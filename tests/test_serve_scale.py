@@ -62,11 +62,10 @@ def cluster():
     c.shutdown()
 
 
-def _call(client: DSparkClient, prompt, session: str = "", **kw) -> dict:
+def _call(client: DSparkClient, prompt, session: str = "", timeout: float = 120, **kw) -> dict:
     """One streamed request: its replica (trailing metadata), prompt and cached tokens, and when it ended."""
     metadata = list(client.metadata) + ([("session_id", session)] if session else [])
-    call = client.stub.Generate(client.request(prompt, temperature=0.0, **kw), metadata=metadata,
-                                timeout=kw.pop("timeout", 120))
+    call = client.stub.Generate(client.request(prompt, temperature=0.0, **kw), metadata=metadata, timeout=timeout)
     out = {"tokens": []}
     try:
         for msg in call:
@@ -137,3 +136,94 @@ def test_http_names_the_replica_and_sessions_stick(cluster):
             assert r.status_code == 200, r.text
             seen.setdefault(session, []).append(r.headers[REPLICA_HEADER])
     assert all(len(set(v)) == 1 for v in seen.values()), seen  # a session stays on its replica
+
+
+def test_a_replica_out_of_balance_sheds_new_requests(cluster):
+    """12 long requests with one shared prompt at once: the holder takes them until it is IMBALANCE ahead, then the
+    less loaded replica gets the rest (Serve's default router would split them evenly, ignoring the prefix)."""
+    client, _ = cluster
+    prompt = [(13 * j) % 500 + 1 for j in range(64)]
+    assert _call(client, prompt, max_tokens=2)["code"] == grpc.StatusCode.OK  # the holder
+    results = _in_threads(lambda _: _call(client, prompt, max_tokens=160, ignore_eos=True), list(range(12)))
+    counts = sorted((sum(r["replica"] == k for r in results) for k in {r["replica"] for r in results}), reverse=True)
+    print(f"shared prompt, 12 at once: per replica {counts}")
+    assert all(r["code"] == grpc.StatusCode.OK for r in results)
+    assert len(counts) == 2 and counts[1] >= 2 and counts[0] - counts[1] >= 2
+
+
+def _replica_pids() -> dict[str, int]:
+    from ray.util.state import list_actors
+
+    actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+    return {a.name.rsplit("#", 1)[-1]: a.pid for a in actors if a.class_name == f"ServeReplica:{APP}:DSpark"}
+
+
+def test_a_killed_replica_ends_only_its_own_streams(cluster):
+    """8 long streams over both replicas; SIGKILL one replica's process: its streams end within 30 s, the others
+    finish, and 8 requests started after the kill all succeed."""
+    client, _ = cluster
+    pids = _replica_pids()
+    assert len(pids) == 2, pids
+
+    def long_stream(i: int) -> dict:
+        return _call(client, [i + 1, 7, 9], max_tokens=1200, ignore_eos=True, timeout=120)
+
+    holder = []
+    threads = [threading.Thread(target=lambda i=i: holder.append(long_stream(i))) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    victim = sorted(pids)[0]
+    os.kill(pids[victim], signal.SIGKILL)
+    killed_at = time.monotonic()
+    after = _in_threads(lambda i: _call(client, [i + 50, 3], max_tokens=8, timeout=60), list(range(8)))
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    mine = [r for r in holder if r["replica"] in (victim, None) and r["code"] != grpc.StatusCode.OK]
+    others = [r for r in holder if r not in mine]
+    ends = [r["end"] - killed_at for r in mine]
+    print(f"kill: {len(mine)} streams of the killed replica ended after {[round(e, 2) for e in ends]} s "
+          f"({[r['code'].name for r in mine]}); {len(others)} others {[r['code'].name for r in others]}; "
+          f"after the kill {sum(r['code'] == grpc.StatusCode.OK for r in after)}/8 ok in "
+          f"{max(r['end'] for r in after) - killed_at:.2f} s")
+    assert mine and all(e < 30 for e in ends)
+    assert all(r["code"] == grpc.StatusCode.OK for r in others)
+    assert all(r["code"] == grpc.StatusCode.OK and r["replica"] != victim for r in after)
+
+
+def test_autoscaling_adds_a_replica_under_a_queue_and_removes_it_when_idle(cluster):
+    """max_num_seqs 2 (Serve's target: 2 ongoing a replica); 10 long requests -> 2 replicas; idle -> 1."""
+    client, _ = cluster
+    _deploy({**ARGS, "max_num_seqs": 2}, autoscaling_config={
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 1,
+        "downscale_delay_s": 4, "metrics_interval_s": 0.5, "look_back_period_s": 2})
+    _wait_for(lambda: _running() == 1, 60)
+
+    t0 = time.monotonic()
+    results = []
+    load = threading.Thread(target=lambda: results.extend(_in_threads(
+        lambda i: _call(client, [i + 1, 5], max_tokens=600, ignore_eos=True, timeout=240), list(range(10)))))
+    load.start()
+    up = _wait_for(lambda: _running() == 2, 120) - t0
+    load.join(300)
+    idle = time.monotonic()
+    down = _wait_for(lambda: _running() == 1, 120) - idle
+    print(f"autoscaling: 1 -> 2 replicas {up:.1f} s after the queue formed; 2 -> 1 {down:.1f} s after idle")
+    assert up < 120 and down < 120
+    assert len(results) == 10 and all(r["code"] == grpc.StatusCode.OK for r in results)  # scale-down lost none
+    assert len({r["replica"] for r in results}) == 2
+
+
+def _running() -> int:
+    app = serve.status().applications.get(APP)
+    status = app and app.deployments.get("DSpark")
+    return status.replica_states.get("RUNNING", 0) if status else 0
+
+
+def _wait_for(cond, timeout_s: float) -> float:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.5)
+    return time.monotonic()
