@@ -1,6 +1,6 @@
 """Prefix affinity, the routing policy without Ray: the prompt's chained block hashes (engine/block_hash.py), a table
 of which replica last took each block, and the choice: the replica holding the longest prefix while load is in
-balance, else the less loaded of two. The Serve router (prefix_router.py) and bench/bench_routing_sim.py run it."""
+balance (the holder at most imbalance_threshold requests above the mean), else the less loaded of two. The Serve router (prefix_router.py) and bench/bench_routing_sim.py run it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ Replica = Hashable
 class AffinityConfig:
     block_size: int = 16  # tokens per key block for a token-id prompt: the engine's block_size, so keys are its blocks
     chunk_bytes: int = 64  # UTF-8 bytes per key block for a text or chat prompt (the router has no tokenizer)
-    imbalance_threshold: int = 8  # ongoing requests the holder may have beyond the least loaded replica
+    imbalance_threshold: int = 2  # ongoing requests the holder may have beyond the mean replica's
     max_keys: int = 1 << 20  # block hashes remembered (least recently used go first): ~100 MB at most
 
     def __post_init__(self) -> None:
@@ -95,8 +95,8 @@ def less_loaded_of_two(loads: Mapping[Replica, int], rng: random.Random) -> Repl
 def choose(keys: Sequence[bytes], loads: Mapping[Replica, int], table: AffinityTable, cfg: AffinityConfig,
            rng: random.Random) -> tuple[Replica, Replica | None]:
     """(the replica to use, the holder of the prompt's prefix if any). `loads`: ongoing requests per live replica.
-    The holder wins while its load is within imbalance_threshold of the least loaded replica's."""
+    The holder wins while its load is at most imbalance_threshold above the mean replica's."""
     holder, _ = table.match(keys, loads)
-    if holder is not None and loads[holder] - min(loads.values()) <= cfg.imbalance_threshold:
+    if holder is not None and loads[holder] - sum(loads.values()) / len(loads) <= cfg.imbalance_threshold:
         return holder, holder
     return less_loaded_of_two(loads, rng), holder

@@ -50,11 +50,11 @@ def prompt_keys(request: Any, cfg: AffinityConfig) -> list[bytes]:
 
 class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Routes a request to the replica most likely to hold its prompt's prefix in its cache, unless that replica has
-    more than `imbalance_threshold` ongoing requests beyond the least loaded one; then the less loaded of two.
+    more than `imbalance_threshold` ongoing requests beyond the mean replica; then the less loaded of two.
     Keys are remembered per router (an approximate view per proxy, as SGLang's router keeps); a replica that dies or
     leaves is forgotten, so its conversations go elsewhere at once."""
 
-    def initialize_state(self, block_size: int = 16, chunk_bytes: int = 64, imbalance_threshold: int = 8,
+    def initialize_state(self, block_size: int = 16, chunk_bytes: int = 64, imbalance_threshold: int = 2,
                          max_keys: int = 1 << 20, seed: int | None = None) -> None:
         self.affinity = AffinityConfig(block_size=block_size, chunk_bytes=chunk_bytes,
                                        imbalance_threshold=imbalance_threshold, max_keys=max_keys)
@@ -80,6 +80,8 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return [two]
         chosen, _ = choose(keys, loads, self.table, self.affinity, self.rng)
         self.table.insert(keys, chosen)  # at once, so the next turn finds it even before Serve reports the routing
+        if self._use_replica_queue_len_cache:  # and count it, so requests routed meanwhile see it (the replica's
+            self._replica_queue_len_cache.update(chosen, loads[chosen] + 1)  # own count replaces this soon)
         return [[by_id[chosen]], two]  # a holder that refuses (its queue full) falls back to the two
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
