@@ -53,17 +53,24 @@ class PrometheusSink:
 
 
 class RaySink:
-    """ray.util.metrics, which Ray's own exporter carries (names with `_` for `:`)."""
+    """ray.util.metrics, which Ray's own exporter carries (names with `_` for `:`); `const_labels` (e.g. the Serve
+    replica) ride on every metric."""
+
+    def __init__(self, const_labels: dict[str, str] | None = None) -> None:
+        self.const_labels = dict(const_labels or {})
 
     def metric(self, kind: str, name: str, doc: str, labels: tuple[str, ...],
                buckets: tuple[float, ...] = ()) -> Record:
         from ray.util import metrics as rm
 
         full = (PREFIX + name).replace(":", "_")
+        labels = (*labels, *self.const_labels)
         if kind == "histogram":
-            m = rm.Histogram(full, doc, boundaries=list(buckets), tag_keys=labels)
+            # Ray takes positive boundaries only; its first bucket holds the values up to the first one (0 too)
+            m = rm.Histogram(full, doc, boundaries=[b for b in buckets if b > 0], tag_keys=labels)
         else:
             m = getattr(rm, kind.capitalize())(full, doc, tag_keys=labels)
+        m.set_default_tags(self.const_labels)
         op = {"counter": "inc", "histogram": "observe", "gauge": "set"}[kind]
         return lambda value, **tags: getattr(m, op)(value, tags=tags)
 

@@ -34,8 +34,11 @@ GATEWAY_OPTIONS = ("max_queue", "max_request_bytes", "served_model_name", "max_p
 # listener is Serve's proxy)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1000, health_check_period_s=10,
-                  health_check_timeout_s=30)
+REPLICA_HEADER = "x-dspark-replica"  # which replica answered: an HTTP response header, gRPC trailing metadata
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.5}, health_check_period_s=10, health_check_timeout_s=30,
+                  graceful_shutdown_timeout_s=60)
 @serve.ingress()
 class DSpark:
     def __init__(self, target: str, api_key: str | None = None, **options: Any) -> None:
@@ -65,7 +68,8 @@ class DSpark:
         info = ray.get(self.pair.verifier.model_info.remote())
         self.gateway_cfg = GatewayConfig(**{k: v for k, v in gateway_options.items() if v is not None})
         self.core = GatewayCore(self.pair.verifier, info, self.gateway_cfg)
-        self.core.metrics = ServingMetrics(RaySink(), self.core.served_model_name)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.core.metrics = ServingMetrics(RaySink({"replica": self.replica}), self.core.served_model_name)
         self.access = _access(api_key)
         self._started: asyncio.Task | None = None
 
@@ -97,13 +101,16 @@ class DSpark:
             await self._ready()
             return self.core.conn is not None and not self.core.draining
 
-        return build_app(HttpApi(core, self.access, serving, self.gateway_cfg.max_request_bytes))
+        return _with_header(build_app(HttpApi(core, self.access, serving, self.gateway_cfg.max_request_bytes)),
+                            REPLICA_HEADER, self.replica)
 
     async def _attach(self, pair) -> None:
         self.pair = pair
         await self.core.attach(pair.verifier)
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: Any = None):
+        if grpc_context is not None:
+            grpc_context.set_trailing_metadata([(REPLICA_HEADER, self.replica)])
         try:
             caller = self.access.caller(grpc_context)
             await self._ready()
@@ -151,6 +158,21 @@ class DSpark:
             pair.shutdown()
 
 
+def _with_header(asgi: Any, name: str, value: str) -> Any:
+    """The ASGI app with one more header on every HTTP response."""
+    header = (name.encode(), value.encode())
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        async def send_with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), header]}
+            await send(message)
+
+        await asgi(scope, receive, send_with_header if scope["type"] == "http" else send)
+
+    return app
+
+
 def _write_tiny_tokenizer(target: str) -> None:
     """Byte-level BPE over the tiny pair's 512 ids (the 256 bytes, then 256 letter pairs) and a chat template."""
     import json
@@ -189,5 +211,9 @@ def _fail(grpc_context: Any, e: Exception) -> None:
 
 
 def app(args: dict[str, Any]) -> serve.Application:
-    """Serve application builder: `args` are DSpark's constructor arguments (from the config's `args:`)."""
-    return DSpark.bind(**args)
+    """Serve application builder: `args` are DSpark's constructor arguments (from the config's `args:`), and
+    `router`; max_ongoing_requests and the request router follow from them (serve_options.py)."""
+    from .serve_options import deployment_options
+
+    options, rest = deployment_options(args)
+    return DSpark.options(**options).bind(**rest)

@@ -87,6 +87,31 @@ def test_rayservice_embeds_the_gpu_serve_config_and_steers_groups():
         assert any(m["mountPath"] == "/models" for m in container["volumeMounts"])
 
 
+@pytest.mark.parametrize("config", ["serve.yaml", "serve-cpu.yaml"])
+def test_autoscaling_follows_max_num_seqs(config):
+    """The config autoscales on a full batch per replica; the app builder caps a replica at two batches and routes
+    by prefix; the RayService lets the Ray autoscaler bring up GPU workers from zero."""
+    from dspark_serve.cluster.serve_options import deployment_options
+
+    app = _load(config)["applications"][0]
+    [deployment] = app["deployments"]
+    max_num_seqs = app["args"]["max_num_seqs"]
+    scaling = deployment["autoscaling_config"]
+    assert scaling["target_ongoing_requests"] == max_num_seqs and scaling["max_replicas"] > scaling["min_replicas"]
+    assert "num_replicas" not in deployment and "max_ongoing_requests" not in deployment
+    options, rest = deployment_options(app["args"])
+    assert options["max_ongoing_requests"] == 2 * max_num_seqs and rest == app["args"]
+    router = options["request_router_config"]
+    assert router.request_router_kwargs["block_size"] == app["args"].get("block_size", 16)
+    assert "request_router_config" not in deployment_options({**app["args"], "router": "power_of_two"})[0]
+    with pytest.raises(ValueError, match="router must be"):
+        deployment_options({**app["args"], "router": {"nope": 1}})
+    cluster = _load("kuberay/rayservice.yaml")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert all(g["minReplicas"] == 0 and g["maxReplicas"] >= scaling["max_replicas"]
+               for g in cluster["workerGroupSpecs"])
+
+
 @pytest.fixture(scope="module")
 def serve_app(tmp_path_factory):
     """`serve run deploy/serve-cpu.yaml`, as a user starts it, in its own process session."""

@@ -209,6 +209,7 @@ def test_bench_load_generator_reports_throughput_latency_and_tau(server, tmp_pat
     assert [r["concurrency"] for r in rows] == [1, 4] and all(r["errors"] == 0 and r["requests"] == 8 for r in rows)
     assert all(r["tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and r["tpot_ms_p50"] > 0 and r["tau"] > 1.5
                for r in rows)
+    assert all(r["per_replica"] == {"-": 8} and 0 <= r["prefix_cache_hit_rate"] <= 1 for r in rows)  # not Serve
 
 
 def test_sigterm_drains(pair_dirs):

@@ -138,7 +138,7 @@ def _client_access(args: argparse.Namespace) -> dict:
 def _bench(args: argparse.Namespace) -> int:
     from .bench import main as bench
 
-    return bench(args, _client_access(args))
+    return bench(args, {**_client_access(args), "application": args.application})
 
 
 def _chat_ids(cfg, tokenizer, text: str) -> list[int]:
@@ -244,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--json", help="write the results here")
+    b.add_argument("--application", help="Ray Serve application name (when --server is Serve's gRPC proxy)")
     _add_client_access(b)
     b.set_defaults(func=_bench)
     for name, (_, text) in DELEGATED.items():  # listed in --help; parsed by their own modules
