@@ -47,6 +47,8 @@ class EngineConfig:
     kernels: KernelConfig | None = None  # None: KernelConfig.for_device(the engine's device)
     step_costs: StepCosts | None = None  # the policy's step costs; None: measured when the engine starts
     enable_prefix_caching: bool = True  # full KV blocks shared between requests by the hash of their prefix
+    deterministic: bool = False  # every target row computed on its own (engine/runner/row_order.py) and sampled
+    # tokens coupled by their keyed noise: a request's tokens do not depend on its batch or on speculation
 
     def validate(self) -> None:
         """ValueError naming the field; the limits that need the loaded models (max_model_len against the target,
@@ -57,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in (None, *DTYPES):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
         for name in ("block_size", "max_num_seqs"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
@@ -198,5 +202,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int,
                    help="longest prompt + output (default: the target's max_position_embeddings; larger is refused)")
     p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs (vLLM's flag)")
+    p.add_argument("--deterministic", "--enable-deterministic-inference", dest="deterministic", action="store_true",
+                   default=None, help="a request's tokens do not depend on what runs beside it, and speculative "
+                                      "output equals plain output, greedy and seeded (each row computed on its own: "
+                                      "slower; docs/serving.md)")
     p.add_argument("--tokenizer", help="a tokenizer directory (default: the target's)")
     p.add_argument("--chat-template", help="a Jinja chat template file for chat input, overriding the target's")

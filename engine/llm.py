@@ -124,13 +124,15 @@ class LLM:
             (draft_side.num_speculative_tokens if draft_side is not None else 0)
         num_kv_blocks = self._kv_blocks(cfg.num_kv_blocks, cfg.gpu_memory_utilization, target_model, draft_model,
                                         block_size, max_num_seqs, drafts)
-        self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture, kernels=kernels)
+        self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture, kernels=kernels,
+                                 deterministic=cfg.deterministic)
         draft_side = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size, kernels) \
             if draft_model is not None else draft_side
         self.spec = spec
         self.max_model_len = context_limit(cfg.max_model_len, target_model.config.max_position,
                                            num_kv_blocks * block_size - reserve_slots(draft_shape(draft_side)))
-        if not (self.target.device.type != "cuda" if cfg.enforce_eager is None else cfg.enforce_eager):
+        eager = self.target.device.type != "cuda" if cfg.enforce_eager is None else cfg.enforce_eager
+        if not (eager or cfg.deterministic):  # the deterministic rows run eagerly, one at a time
             drafts = draft_side.num_speculative_tokens if draft_side is not None else 0
             self.target.use_static_shapes(drafts, self.max_model_len, spec.dspark_survival_threshold)
             if isinstance(draft_side, DraftSide):

@@ -131,18 +131,44 @@ def verify_mixed(
     positions: Tensor,
     any_sampled: bool = True,
     filtered_rows: list[int] | None = None,
+    coupled: bool = False,
 ) -> VerifyResult:
     """One batch of greedy and sampled rows. target_logits [R, n + 1, V]; is_greedy and params [R].
 
     Greedy rows take the argmax branch; sampled rows verify against processed_probs(target_logits).
     any_sampled=False (host data: no sampled row) skips the sampled branch; filtered_rows: see processed_probs.
+    coupled (the deterministic mode): verify_coupled instead of min(1, p/q).
     """
     greedy = verify_greedy(draft_tokens, num_draft, target_logits)
     if not any_sampled:
         return greedy
+    if coupled:
+        return verify_greedy_ids(draft_tokens, num_draft, coupled_tokens(
+            target_logits, is_greedy, temperature, top_k, top_p, min_p, seeds, positions, filtered_rows))
     p = processed_probs(target_logits, temperature, top_k, top_p, min_p, filtered_rows)  # [R, n + 1, V]
     sampled = verify_sampled(draft_tokens, num_draft, draft_probs, p, seeds, positions)
     return VerifyResult(
         torch.where(is_greedy, greedy.num_accepted, sampled.num_accepted),
         torch.where(is_greedy[:, None], greedy.output_tokens, sampled.output_tokens),
     )
+
+
+def coupled_tokens(target_logits: Tensor, is_greedy: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                   min_p: Tensor, seeds: Tensor, positions: Tensor, filtered_rows: list[int] | None) -> Tensor:
+    """The target's token at every slot, decided by that slot alone -> [R, n + 1] int64: the argmax for greedy rows;
+    for sampled rows argmax(log p + Gumbel(seed, position)), the noise plain sampling draws at that position (an
+    exact sample of p), each slot's p computed on its own [1, 1, V] logits so that no batch shape enters its
+    arithmetic. Accepting drafts while they equal these tokens (verify_greedy_ids) is lossless, and the output
+    equals plain decoding's whatever the drafts were; sampled drafts are accepted less often than min(1, p/q).
+    Reads the rows' greedy flags on the host."""
+    ids = target_logits.argmax(-1)  # [R, n + 1]
+    filtered = set(range(ids.shape[0]) if filtered_rows is None else filtered_rows)
+    for r, greedy in enumerate(is_greedy.tolist()):
+        if greedy:
+            continue
+        one = slice(r, r + 1)
+        for k in range(ids.shape[1]):
+            p = processed_probs(target_logits[one, k:k + 1].clone(), temperature[one], top_k[one], top_p[one],
+                                min_p[one], [0] if r in filtered else [])  # [1, 1, V]
+            ids[r, k] = sample_from_probs(p, seeds[one], positions[one, k:k + 1], BONUS_SALT)[0, 0]
+    return ids

@@ -35,10 +35,12 @@ class TargetSide:
     """Owns the target model, its paged KV cache and block pool."""
 
     def __init__(self, model: QwenForCausalLM, num_blocks: int, block_size: int,
-                 capture_layers: tuple[int, ...] = (), kernels: KernelConfig | None = None) -> None:
+                 capture_layers: tuple[int, ...] = (), kernels: KernelConfig | None = None,
+                 deterministic: bool = False) -> None:
         self.model, self.block_size, self.capture_layers = model, block_size, capture_layers
+        self.deterministic = deterministic  # rows computed on their own, sampled tokens coupled (EngineConfig's)
         self.device = model.lm_head.weight.device
-        self.runner = TargetRunner(model, kernels)  # prepared for its device
+        self.runner = TargetRunner(model, kernels, deterministic)  # prepared for its device
         self.cache = model.allocate_kv_cache(num_blocks + 1, block_size)  # + a trash block for padded tokens
         self.num_blocks = num_blocks  # the KVCacheManager hands out their ids
         self.graphs: TargetGraphs | None = None

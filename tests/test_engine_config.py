@@ -31,6 +31,7 @@ def test_options_become_typed_fields():
     ({"kernel_config": "{bad"}, "kernel config is not valid JSON"),
     ({"kernel_config": {"no_such": 1}}, "unknown kernel config field"),
     ({"max_queue": 4}, "unknown engine options"),
+    ({"deterministic": "yes"}, "deterministic must be true or false"),
 ])
 def test_bad_options_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
@@ -47,6 +48,11 @@ def test_cli_flags_map_onto_the_config():
     assert cfg.kernels.pdl is False
     args = build_parser().parse_args(["generate", "--target", "t", "--prompt-ids", "1"])
     assert EngineConfig.from_options(split_options(vars(args))[0]) == EngineConfig(target="t")
+    for flag in ("--deterministic", "--enable-deterministic-inference"):  # SGLang's name too
+        args = build_parser().parse_args(["serve", "--target", "t", flag])
+        assert EngineConfig.from_options(split_options(vars(args))[0]).deterministic is True
+    engine, _ = split_options({"target": "t", "deterministic": True, "placement": "PACK"})  # the Serve app's args
+    assert EngineConfig.from_options(engine).deterministic is True
 
 
 def test_serve_refuses_a_bad_kernel_config_in_one_line(capsys):

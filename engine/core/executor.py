@@ -107,7 +107,8 @@ class Executor:
         none = torch.zeros(len(sub), 0, dtype=torch.int64, device=dev)
         tokens = verify_mixed(none, torch.zeros(len(sub), dtype=torch.int64, device=dev), logits, None,
                               p["is_greedy"], p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
-                              positions, **verify_hints(sub)).output_tokens  # [R', 1]
+                              positions, **verify_hints(sub),
+                              coupled=self.target.deterministic).output_tokens  # [R', 1]
         lp = step_logprobs(sub, logits, tokens)
         lp_values = lp.values.tolist() if lp is not None else None
         return {r: (tok, lp.of_row(lp_values, i, [tok]) if lp is not None else None)

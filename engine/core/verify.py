@@ -128,7 +128,8 @@ def _verify_again(target: TargetSide, reqs: list[Request], v: Verified, again: l
         q = dense[idx, :width].to(dev) if dense is not None else None
         num = v.packed[idx, PACKED_VERIFIED]
         result = verify_mixed(d, num, logits, q, params["is_greedy"], params["temperature"], params["top_k"],
-                              params["top_p"], params["min_p"], params["seeds"], positions, **hints)
+                              params["top_p"], params["min_p"], params["seeds"], positions, **hints,
+                              coupled=target.deterministic)
         redo = [j for j, i in enumerate(rows) if i in set(again)]
         keep = torch.tensor(redo, dtype=torch.int64, device=dev)
         v.packed.index_copy_(0, idx[keep], pack_accept(num, result)[keep])

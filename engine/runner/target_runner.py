@@ -1,5 +1,6 @@
 """The target on its device: prepared once (fused layers on CUDA), then its forward and logits on the Triton fast
-path, or the model's own forward where the fast path does not run (CPU, autograd, `triton: false`)."""
+path, or the model's own forward where the fast path does not run (CPU, autograd, `triton: false`); in the
+deterministic mode the model's own forward one row at a time (row_order.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dspark_serve.kernels.config import HAVE_TRITON, KernelConfig, active, use_t
 from dspark_serve.models.qwen import QwenForCausalLM
 
 from .fused_layers import FusedLayer, fuse_layers, fused_stack
+from .row_order import forward_by_row, logits_by_row
 
 
 def takes_fast_path(device: torch.device, kernels: KernelConfig) -> bool:
@@ -19,22 +21,28 @@ def takes_fast_path(device: torch.device, kernels: KernelConfig) -> bool:
 
 
 class TargetRunner:
-    def __init__(self, model: QwenForCausalLM, kernels: KernelConfig | None = None) -> None:
-        self.model, self.kernels = model, kernels or active()
+    def __init__(self, model: QwenForCausalLM, kernels: KernelConfig | None = None,
+                 deterministic: bool = False) -> None:
+        self.model, self.kernels, self.deterministic = model, kernels or active(), deterministic
         self.device = model.lm_head.weight.device
         self.layers: list[FusedLayer] | None = fuse_layers(model.model.layers, self.kernels) \
-            if takes_fast_path(self.device, self.kernels) else None
+            if takes_fast_path(self.device, self.kernels) and not deterministic else None
         self.stack = fused_stack(self.layers) if self.layers is not None else None  # the model's layers, fused
 
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_cache: Tensor,
                 capture_layers: tuple[int, ...] = ()) -> tuple[Tensor, Tensor | None]:
         """QwenForCausalLM.forward: input_ids, positions [T] -> (final-normed hidden [T, hidden], captured
         [T, len(capture) * hidden] | None)."""
+        if self.deterministic:
+            return forward_by_row(self.model, input_ids, positions, meta, kv_cache, capture_layers)
         fast = self.stack is not None and use_triton(self.model.model.embed_tokens.weight, self.kernels)
         return self.model(input_ids, positions, meta, kv_cache, capture_layers, self.stack if fast else None)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[T, hidden] -> [T, vocab] fp32; on CUDA with KernelConfig.lm_head_gemv, decode rows through the GEMVs."""
+        """[T, hidden] -> [T, vocab] fp32; on CUDA with KernelConfig.lm_head_gemv, decode rows through the GEMVs;
+        deterministic: each row's product on its own."""
+        if self.deterministic:
+            return logits_by_row(self.model, hidden)
         if self.kernels.lm_head_gemv and hidden.is_cuda:
             from dspark_serve.kernels.gemv_bf16 import linear
             return linear(hidden, self.model.lm_head.weight).float()
