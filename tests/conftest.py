@@ -16,6 +16,22 @@ def _track_engines():
     block_invariant.track_engines()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _engines_released_after_their_module():
+    """Engines a module built give their models and caches back when it ends: something outside Python's collector
+    keeps an LLM object alive, and a few demo-pair engines in fp32 would otherwise fill a 24 GiB machine."""
+    import gc
+
+    import block_invariant
+
+    before = set(map(id, block_invariant.ENGINES))
+    yield
+    for llm in [e for e in block_invariant.ENGINES if id(e) not in before]:
+        block_invariant.ENGINES.discard(llm)
+        vars(llm).clear()
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _blocks_free_when_idle():
     """After every test, an idle engine has all its KV blocks free (in process and behind a live server)."""
