@@ -18,8 +18,9 @@ def _track_engines():
 
 @pytest.fixture(scope="module", autouse=True)
 def _engines_released_after_their_module():
-    """Engines a module built give their models and caches back when it ends: something outside Python's collector
-    keeps an LLM object alive, and a few demo-pair engines in fp32 would otherwise fill a 24 GiB machine."""
+    """Engines a module built give their models and caches back when it ends: an LLM freezes what is alive when it is
+    built out of the cyclic collector's view (gc.freeze, so a full collection never stalls a step), so its reference
+    cycles outlive it, and a few demo-pair engines in fp32 would otherwise fill a 24 GiB machine."""
     import gc
 
     import block_invariant
