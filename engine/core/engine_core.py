@@ -88,8 +88,10 @@ class EngineCore:
             self._forget([o for o in outputs if o.finish_reason is not None])
             d = plan.decode
             if d is not None and not plan.prefill and self.scheduler.has_unfinished():  # a pure decode step, more to come
-                self._timing = (self._timing[0], (len(d.reqs), len(d.reqs) + sum(r.verified for r in result.decoded),
-                                                  result.drafted, result.drafted == self._drafted))
+                rows = result.decoded
+                self._timing = (self._timing[0], (len(d.reqs), len(d.reqs) + sum(r.verified for r in rows),
+                                                  result.drafted, result.drafted == self._drafted,
+                                                  sum(r.accepted + 1 for r in rows)))
             self._drafted = result.drafted if d is not None else self._drafted
             return outputs
 
@@ -98,8 +100,8 @@ class EngineCore:
         now = time.perf_counter()
         last, self._timing = self._timing, (now, None)
         if last is not None and last[1] is not None and self.scheduler.policy is not None:
-            num_reqs, num_tokens, drafted, steady = last[1]
-            self.scheduler.policy.timed(num_reqs, num_tokens, drafted, (now - last[0]) * 1e3, steady)
+            num_reqs, num_tokens, drafted, steady, emitted = last[1]
+            self.scheduler.policy.timed(num_reqs, num_tokens, drafted, (now - last[0]) * 1e3, steady, emitted)
 
     def set_draft(self, draft: Drafter | None) -> None:
         """Swap the draft between steps (None: plain decoding). Requests already queued or running decode plainly

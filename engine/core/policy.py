@@ -35,7 +35,7 @@ PLAIN_EVERY = 256  # drafting steps after which one step is plain, so the host's
 EXPLORE_RUN = 3  # steps an exploration lasts: the first step after a switch carries the last one's queued work,
 # so only the steps after it are timed
 REFRESH_STEPS = 4  # steps a view serves an unchanged batch before the estimates are folded in again
-HOST_EMA = 0.1  # weight of a new step's measured host time
+HOST_EMA = 0.1  # weight of a new step's measured host time (and of its tokens per millisecond)
 
 
 def cap_drafts(pinned_or_default: int, max_drafts: int, remaining: int) -> int:
@@ -62,6 +62,7 @@ class PolicyView:
     explore: bool = False  # draft even when no draft seems worth its cost (the estimates are stale)
     explore_plain: bool = False  # a plain step, whatever the drafts seem worth (its host time is unknown or stale)
     host_ms: dict | None = None  # (batch bucket, drafted) -> the host's measured ms a step beyond the device's
+    plain_faster: frozenset = frozenset()  # batch buckets where plain steps emitted more tokens/ms than drafting
     _budgets: dict | None = None  # budgets already computed from this view
 
     def _rows(self, table: np.ndarray, default: np.ndarray, reqs: list[Request]) -> np.ndarray:
@@ -122,7 +123,9 @@ class PolicyView:
                 best_drafting, best_drafting_rate = drafts, rate
         if self.explore_plain and fixed == 0:
             return 0
-        return best_drafting if best == 0 and self.explore else best
+        if self.explore:
+            return best_drafting if best == 0 else best
+        return fixed if best > fixed and self.costs.bucket(num_reqs) in self.plain_faster else best
 
 
 def fixed_view(num_drafts: int, token_limit: int, max_verify_tokens: int = 0) -> PolicyView:
@@ -159,6 +162,7 @@ class SpecPolicy:
         self._view_key: tuple = ()
         self._age = 0
         self._host: dict = {}  # (batch bucket, drafted) -> ms
+        self._rate: dict = {}  # (batch bucket, drafted) -> tokens emitted per ms of wall time
 
     @property
     def measures_host(self) -> bool:
@@ -186,19 +190,26 @@ class SpecPolicy:
         no confidence head)."""
         self._pending.append((reqs, verified, accepted, conf))
 
-    def timed(self, num_reqs: int, num_tokens: int, drafted: bool, wall_ms: float, steady: bool = True) -> None:
+    def timed(self, num_reqs: int, num_tokens: int, drafted: bool, wall_ms: float, steady: bool = True,
+              emitted: int | None = None) -> None:
         """A decode step's wall time (from its start to the next step's): what the host added to its device time
-        becomes the estimate for its batch bucket. Not `steady` (the step before it drafted or not as it did not):
-        it carries the other kind's queued work, and is not counted."""
+        becomes the estimate for its batch bucket, and the tokens it emitted (`emitted`; a plain step's default is one
+        a row) per millisecond the realized rate of its kind there. Not `steady` (the step before it drafted or not
+        as it did not): it carries the other kind's queued work, and is not counted."""
         if not self.measures_host or not steady:
             return
         device = self.costs.verify_ms(num_reqs, num_tokens) + (self.costs.draft_ms(num_reqs) if drafted else 0.0)
-        b = next((b for b, _ in self.costs.verify if b >= num_reqs), self.costs.verify[-1][0])
+        b = self.costs.bucket(num_reqs)
         old = self._host.get((b, drafted))
         sample = max(0.0, wall_ms - device)
         if old is not None:
             sample = min(sample, 3 * old + 1.0)  # an idle gap or a stall is not a step's cost
         self._host[b, drafted] = sample if old is None else (1 - HOST_EMA) * old + HOST_EMA * sample
+        if emitted is None and drafted:
+            return
+        rate = (num_reqs if emitted is None else emitted) / max(device + sample, 1e-6)
+        old = self._rate.get((b, drafted))
+        self._rate[b, drafted] = rate if old is None else (1 - HOST_EMA) * old + HOST_EMA * rate
 
     def _fold(self) -> None:
         pending, self._pending = self._pending, []
@@ -248,7 +259,7 @@ class SpecPolicy:
         EXPLORE_EVERY drafting steps), or PLAIN_EVERY drafting steps passed."""
         if not self.measures_host:
             return False
-        b = next((b for b, _ in self.costs.verify if b >= num_reqs), self.costs.verify[-1][0])
+        b = self.costs.bucket(num_reqs)
         due = self._drafted >= (EXPLORE_EVERY if (b, False) not in self._host else PLAIN_EVERY) \
             or (self._exploring and 0 < self._undrafted < EXPLORE_RUN)
         self._exploring |= due
@@ -290,4 +301,11 @@ class SpecPolicy:
         return PolicyView(True, self.num_drafts, self.costs, {r: i for i, r in enumerate(reqs)}, ratio,
                           np.cumprod(cond, -1), prior, np.cumprod(default_cond), self.max_verify_tokens,
                           token_limit, explore=key[2], explore_plain=key[3], host_ms=dict(self._host),
-                          _budgets={})
+                          plain_faster=self._plain_faster(), _budgets={})
+
+    def _plain_faster(self) -> frozenset:
+        """Buckets where plain steps emitted more tokens per millisecond than drafting steps: whatever the estimates
+        say, drafting there loses to plain decoding, so only pinned drafts are verified (drafting is still explored
+        every EXPLORE_EVERY steps, which keeps its rate current)."""
+        return frozenset(b for (b, d), r in self._rate.items()
+                         if not d and (b, True) in self._rate and r > self._rate[b, True])

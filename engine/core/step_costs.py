@@ -52,6 +52,10 @@ class StepCosts:
         object.__setattr__(self, "verify", tuple(rows))
         object.__setattr__(self, "draft", _monotone(self.draft))
 
+    def bucket(self, num_reqs: int) -> int:
+        """The verify table's batch bucket that num_reqs requests run in (the largest past the last)."""
+        return next((b for b, _ in self.verify if b >= num_reqs), self.verify[-1][0])
+
     def verify_ms(self, num_reqs: int, num_tokens: int) -> float:
         row = next((pts for b, pts in self.verify if b >= num_reqs), self.verify[-1][1])
         return _lookup(row, num_tokens, self.staircase)
