@@ -3,7 +3,7 @@ greedy and seeded, every request alone (the reference and the c = 1 speed), then
 added every two steps: changing batches) with the tokens/s and how many outputs equal the request's plain solo run.
 
 usage: python bench/bench_deterministic.py [--target DIR --draft DIR] [--requests 24] [--waves 3]
-       [--max-tokens 32] [--dtype bfloat16] [--json OUT]
+       [--max-tokens 32] [--dtype bfloat16] [--device cpu] [--json OUT]
 Without --target: the tiny random pair of the tests (bfloat16), in memory.
 """
 
@@ -25,8 +25,8 @@ def build(args, deterministic: bool, spec: bool):
     from dspark_serve.engine.llm import LLM
     from dspark_serve.models.random_init import tiny_pair
 
-    kw = dict(device="cpu", block_size=16, num_kv_blocks=1024, max_num_seqs=args.requests, deterministic=deterministic,
-              max_num_batched_tokens=args.batched_tokens, warmup=False)
+    kw = dict(device=args.device, block_size=16, num_kv_blocks=1024, max_num_seqs=args.requests,
+              deterministic=deterministic, max_num_batched_tokens=args.batched_tokens, warmup=args.device != "cpu")
     if args.target is None:
         target, draft = tiny_pair(seed=4, dtype=getattr(torch, args.dtype), agree=0.005)
         return LLM(target, draft if spec else None, **kw)
@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--target")
     p.add_argument("--draft")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cuda: the engine's graphs recorded before anything is timed")
     p.add_argument("--requests", type=int, default=24, help="per kind (greedy, seeded)")
     p.add_argument("--waves", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=32)
