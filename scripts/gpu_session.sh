@@ -11,6 +11,11 @@
 #   pair      engine GPU tests, the pair's batch-1 speed against compiled generate, bench_step
 #   pairq     the pair at batch 1 against compiled generate, then again with dspark_quantize_lm_head
 #   concurrency  plain vs speculative tok/s with 1, 8, 32 and 64 requests at once (also as p6)
+#   adaptive  the speculation policy against plain and fixed draft lengths in the engine, c = 1 .. 128
+#   service   the served path against the engine: fixed concurrency 1 .. 128 and Poisson arrivals (Ray and gRPC
+#             wheels installed)
+#   structured  JSON-schema outputs: validity at T = 0 / 0.8 and batch-1 speed with and without a schema (xgrammar)
+#   det       the deterministic mode off / on: outputs equal to solo runs in waves, tokens/s
 #   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
 #   fast      fused-op, attention, Markov-walk, graph and engine GPU tests, the pair (tau and batch-1 speed with
 #             the profile), bench_step, bench_gpu
@@ -289,5 +294,19 @@ chain)  # random weights: the draft chained behind the verify launched ahead (en
     grep -A8 "==" "$OUT/bench_step_chain.log" | grep -v "^ *[0-9]* function\|^$" ;;
 floor)  # random weights: the read floor per NVFP4 shape (contiguous; the GEMV's row pattern, row / tiled layout)
     timeout 400 python3 bench/bench_read_floor.py --dense --json "$OUT/bench_read_floor.json" 2>&1 | grep -v Warn ;;
+adaptive)
+    timeout 560 python3 bench/bench_adaptive.py --target $T --levels 1 8 16 32 64 128 --json "$OUT/adaptive.json" \
+        2>&1 | tee "$OUT/adaptive.log" | grep -v Warn | tail -14 ;;
+service)
+    RAY_AUTH_MODE=token timeout 570 python3 bench/bench_service.py --target $T --layouts engine default \
+        --levels 1 8 16 32 64 128 --request-rates 8 128 512 --json "$OUT/service.json" 2>&1 | tee "$OUT/service.log" \
+        | grep -v Warn | tail -24 ;;
+structured)
+    timeout 400 python3 bench/bench_structured.py --target $T --device cuda --json "$OUT/structured.json" 2>&1 \
+        | tee "$OUT/structured.log" | grep -v Warn | tail -14 ;;
+det)
+    timeout 500 python3 bench/bench_deterministic.py --target $T --draft models/checkpoints/qwen2.5-coder-0.5b-dspark \
+        --device cuda --requests 16 --max-tokens 64 --max-prompt 200 --json "$OUT/det.json" 2>&1 \
+        | tee "$OUT/det.log" | grep -v Warn | tail -14 ;;
 *) echo "unknown phase $1" >&2; exit 2 ;;
 esac
