@@ -68,6 +68,31 @@ def test_outputs_equal_with_and_without_the_cache(with_draft):
     assert kv.hits > 0 and kv.queries > kv.hits
 
 
+def test_a_cached_prompt_the_prompt_graphs_take_is_computed_whole_with_the_same_outputs(monkeypatch):
+    """On the static path a prompt whose prefix the cache gave runs through the prompt graphs from position 0 (an
+    eager prefill would cost a host launch per kernel); tokens and the draft's context are those of the uncached
+    run."""
+    from dspark_serve.engine.runner.prompt_graphs import PromptGraphs
+
+    skips = []
+    run = PromptGraphs.run
+    monkeypatch.setattr(PromptGraphs, "run", lambda self, tables, prompts, skip=None: (
+        skips.append(list(skip or [])), run(self, tables, prompts, skip))[1])
+    target, draft = build_pair(seed=5, agree=0.01, block_size=5, dtype=torch.float32)
+    g = torch.Generator().manual_seed(4)
+    prompts = [SYSTEM + torch.randint(0, 250, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for caching in (False, True):
+        llm = _llm(target, draft, caching, num_kv_blocks=400, max_num_seqs=3, enforce_eager=False)
+        outs[caching] = [llm.generate([p], params)[0] for p in prompts]
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids
+        assert a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
+    assert [o.stats["cached_tokens"] for o in outs[True]][1:] == [len(SYSTEM) // 8 * 8] * 2
+    assert [s for s in skips if any(s)] == [[len(SYSTEM) // 8 * 8]] * 2  # the two cached prompts, whole
+
+
 def test_a_second_request_with_the_same_system_prompt_is_mostly_cached():
     target, draft = build_pair(seed=6, agree=0.01, block_size=5, dtype=torch.float32)
     llm = _llm(target, draft, True, num_kv_blocks=400)

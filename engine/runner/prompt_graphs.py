@@ -1,5 +1,5 @@
-"""CUDA graphs for the target's prefill of fresh prompts (no cached context), so that a prompt costs its device
-time instead of one host launch per kernel.
+"""CUDA graphs for the target's prefill of whole prompts (fresh ones, and those the prefix cache partly held,
+computed again from position 0), so that a prompt costs its device time instead of one host launch per kernel.
 
 A prompt is padded at its end to a length bucket; under causal attention no real token sees the padding, whose
 K/V go to the trash slot. The graph returns the last real token's logits and every token's features. Several
@@ -83,11 +83,13 @@ class PromptGraphs:
         return len(lengths)
 
     @torch.inference_mode()
-    def run(self, block_tables: list[list[int]], prompts: list[list[int]]) -> tuple[Tensor, list[Tensor | None]]:
+    def run(self, block_tables: list[list[int]], prompts: list[list[int]], skip: list[int] | None = None
+            ) -> tuple[Tensor, list[Tensor | None]]:
         """Each prompt at positions 0.. of its blocks -> logits [R, 1, V] fp32 of its last token, and per prompt
-        its features [len, F] (owned copies), as TargetSide.run(..., last_only=True) returns them."""
+        its features [len - skip, F] (owned copies) past its first `skip` tokens, as TargetSide.run(...,
+        last_only=True) returns them."""
         logits, feats = [], []
-        for blocks, ids in zip(block_tables, prompts):
+        for blocks, ids, first in zip(block_tables, prompts, skip or [0] * len(prompts)):
             n = len(ids)
             length = bucket(n, self.lengths)
             w = -(-length // self.block_size)
@@ -100,7 +102,7 @@ class PromptGraphs:
                 self._runners[length] = self._build(length)
             row, f = self._runners[length]()
             logits.append(row.clone() if len(prompts) > 1 else row)
-            feats.append(f[:n].clone() if f is not None else None)
+            feats.append(f[first:n].clone() if f is not None else None)
         return (torch.cat(logits) if len(logits) > 1 else logits[0])[:, None], feats
 
     def _build(self, length: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
