@@ -23,6 +23,9 @@ class PairConfig:
     channel_timeout_s: float = 120.0  # one step-channel operation that takes longer means the peer is gone
     keepalive_s: float = 20.0  # an idle split pair pings its channel this often, so idleness never times out
     num_cpus: float = 1.0  # per actor
+    num_gpus: float | None = None  # per actor; None: one each, or a share of a single GPU (pair.plan_devices).
+    # Below 1, several pairs (Serve replicas) share one GPU: size their caches with num_kv_blocks, since
+    # gpu_memory_utilization counts the memory the others hold as used
     cpu_threads: int = 0  # torch threads of each CPU actor; 0: every CPU of its node (actors take turns in a step)
     target_resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources steering the verifier
     draft_resources: tuple[tuple[str, float], ...] = ()
@@ -33,6 +36,8 @@ class PairConfig:
             raise ValueError("a pair needs the target checkpoint directory")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.num_gpus is not None and not self.num_gpus > 0:
+            raise ValueError(f"num_gpus must be > 0 (GPUs per actor), got {self.num_gpus}")
         if self.cpu_threads < 0:
             raise ValueError(f"cpu_threads must be >= 0 (0: all of the node's CPUs), got {self.cpu_threads}")
         if not 0 < self.keepalive_s < self.channel_timeout_s:

@@ -86,12 +86,14 @@ class DevicePlan:
     backend: str  # the step channel: "nccl" between two GPUs, "gloo" otherwise
 
 
-def plan_devices(device: str, cluster_gpus: float, has_draft: bool) -> DevicePlan:
+def plan_devices(device: str, cluster_gpus: float, has_draft: bool, num_gpus: float | None = None) -> DevicePlan:
     """One GPU per actor when there are enough; a single GPU is shared (NCCL cannot pair a device with itself,
-    so the channel then uses gloo over host memory); CPU otherwise."""
+    so the channel then uses gloo over host memory); CPU otherwise. `num_gpus`: each actor's share, as given."""
     actors = 2 if has_draft else 1
     if device == "cpu" or (device == "auto" and cluster_gpus < 1):
         return DevicePlan("cpu", 0, "gloo")
+    if num_gpus is not None:
+        return DevicePlan("cuda", num_gpus, "nccl" if num_gpus >= 1 else "gloo")
     if cluster_gpus >= actors or device == "cuda" and cluster_gpus == 0:
         return DevicePlan("cuda", 1, "nccl")
     return DevicePlan("cuda", 1 / actors, "gloo")
@@ -119,9 +121,9 @@ def create_pair(cfg: PairConfig, timeout_s: float = 600.0) -> Pair:
     cfg.validate()
     gpus = ray.cluster_resources().get("GPU", 0)
     engine = cfg.engine
-    colocate = resolve_colocate(cfg, plan_devices(engine.device, gpus, engine.draft is not None))
+    colocate = resolve_colocate(cfg, plan_devices(engine.device, gpus, engine.draft is not None, cfg.num_gpus))
     split = engine.draft is not None and not colocate  # a draft actor of its own
-    plan = plan_devices(engine.device, gpus, split)
+    plan = plan_devices(engine.device, gpus, split, cfg.num_gpus)
     cfg = replace(cfg, engine=replace(engine, device=plan.device), colocate=colocate)
     if split and engine.gpu_memory_utilization is not None:
         raise ValueError("gpu_memory_utilization sizes one process's caches: with separate draft and verifier "

@@ -243,18 +243,21 @@ def test_seeded_sampling_equals_in_process_engine(client, local):
         assert out["token_ids"] == ref.token_ids
 
 
-@pytest.mark.parametrize("device,gpus,draft,expected", [
-    ("auto", 0, True, ("cpu", 0, "gloo")),
-    ("auto", 2, True, ("cuda", 1, "nccl")),
-    ("auto", 8, True, ("cuda", 1, "nccl")),
-    ("auto", 1, True, ("cuda", 0.5, "gloo")),  # one GPU shared: NCCL cannot pair a device with itself
-    ("auto", 1, False, ("cuda", 1, "nccl")),
-    ("cpu", 4, True, ("cpu", 0, "gloo")),
+@pytest.mark.parametrize("device,gpus,draft,num_gpus,expected", [
+    ("auto", 0, True, None, ("cpu", 0, "gloo")),
+    ("auto", 2, True, None, ("cuda", 1, "nccl")),
+    ("auto", 8, True, None, ("cuda", 1, "nccl")),
+    ("auto", 1, True, None, ("cuda", 0.5, "gloo")),  # one GPU shared: NCCL cannot pair a device with itself
+    ("auto", 1, False, None, ("cuda", 1, "nccl")),
+    ("cpu", 4, True, None, ("cpu", 0, "gloo")),
+    ("auto", 1, False, 0.5, ("cuda", 0.5, "gloo")),  # two replicas' pairs on one GPU
+    ("cuda", 4, True, 2, ("cuda", 2, "nccl")),
+    ("cpu", 1, False, 0.5, ("cpu", 0, "gloo")),
 ])
-def test_device_plan(device, gpus, draft, expected):
+def test_device_plan(device, gpus, draft, num_gpus, expected):
     from dspark_serve.cluster.pair import plan_devices
 
-    plan = plan_devices(device, gpus, draft)
+    plan = plan_devices(device, gpus, draft, num_gpus)
     assert (plan.device, plan.gpus_per_actor, plan.backend) == expected
 
 

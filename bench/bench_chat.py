@@ -1,0 +1,394 @@
+"""Multi-turn chat through the served pair: the prefix cache on against off, and two Serve replicas routed by prompt
+prefix against Serve's power of two choices. Each configuration starts its own server, runs the conversations and
+stops it:
+
+  cache         `dspark-serve serve` (prefix caching on, the default)
+  nocache       `dspark-serve serve --no-enable-prefix-caching`
+  serve-prefix  Ray Serve (deploy/serve.yaml, serve-cpu.yaml with --device cpu), --replicas pinned, each pair a
+                1/replicas share of the one GPU (num_gpus) and --num-kv-blocks, behind the project's prefix-affinity
+                request router (cluster/prefix_router.py)
+  serve-pow2    the same with Serve's default router
+
+N conversations of T turns share one system prompt of about S tokens (held-out prose, sized with the target's
+tokenizer); each asks its own held-out code prompts, one a turn, and turn t's prompt is the system prompt, every
+earlier question with the reply the server gave, and the new question, rendered with the target's chat template
+(ChatML when it has none). c conversations run at once, each turn sent when the previous reply ended; greedy,
+speculative, each reply --max-tokens long (ignore_eos). Reported per configuration: TTFT p50/p99 over all turns and
+over follow-ups (t >= 1), output tokens/s (all output tokens / wall time), requests, errors, the prefix-cache hit
+rate (cached / prompt tokens, as the server reports them), the share of follow-ups with at least half of their
+prompt cached, and requests per replica. --rounds alternates the configurations; --json is written after each.
+
+usage: python bench/bench_chat.py [--target DIR] [--draft DIR] [--conversations 64] [--turns 4]
+                                  [--system-tokens 1500] [--max-tokens 64] [--concurrency C]
+                                  [--layouts cache nocache | serve-prefix serve-pow2] [--rounds 2] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import multiprocessing as mp
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench_service import BENCH, ROOT, start_server, start_serve, stop
+
+PREFIX_FLAGS = {"cache": ["--enable-prefix-caching"], "nocache": ["--no-enable-prefix-caching"]}
+ROUTERS = {"serve-prefix": {"seed": 0}, "serve-pow2": "power_of_two"}  # the Serve app's `router` arg
+COMPARED = (("nocache", "cache"), ("serve-pow2", "serve-prefix"))  # (baseline, configuration) in the ratios
+
+
+# -- the conversations ---------------------------------------------------------------------------------------------
+
+def system_prompt(tokenizer, tokens: int) -> str:
+    """Held-out prose, cycled, until about `tokens` tokens; the same text on every run."""
+    from dspark_serve.train.data import read_prompt_texts
+
+    texts = read_prompt_texts(BENCH / "prompts" / "heldout_prose.jsonl")
+    parts = ["You are a careful programming assistant. Background notes for this chat:\n"]
+    n = len(tokenizer.encode(parts[0]).ids)
+    while n < tokens:
+        parts.append(texts[(len(parts) - 1) % len(texts)] + "\n")
+        n += len(tokenizer.encode(parts[-1]).ids)
+    return "".join(parts)
+
+
+def conversations(n: int, turns: int) -> list[tuple[int, list[str]]]:
+    """(index, its questions): held-out code prompts, each conversation its own run of them."""
+    from dspark_serve.train.data import read_prompt_texts
+
+    texts = read_prompt_texts(BENCH / "prompts" / "heldout_code.jsonl")
+    return [(i, [texts[(i * turns + t) % len(texts)] for t in range(turns)]) for i in range(n)]
+
+
+def chat_template(target: str):
+    """(the target's template or None, its name)."""
+    from dspark_serve.models.chat_template import ChatTemplateError, load_chat_template
+
+    try:
+        tpl = load_chat_template(target)
+        return tpl, tpl.source
+    except ChatTemplateError:
+        return None, "ChatML"
+
+
+def render(template, messages: list[dict]) -> str:
+    from dspark_serve.models.chat_template import render_chat
+
+    if template is None:
+        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + \
+            "<|im_start|>assistant\n"
+    return render_chat(template, messages, add_generation_prompt=True)
+
+
+# -- the client ----------------------------------------------------------------------------------------------------
+
+async def _turn(stub, prompt: str, metadata: tuple, max_tokens: int, header: str | None) -> dict:
+    """One streamed Generate: its times, output, prompt and cached tokens, and the replica that answered."""
+    import grpc
+
+    from dspark_serve.cluster.grpc_client import DSparkClient
+
+    req = DSparkClient.request(prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rec = {"t0": time.monotonic(), "t_first": None}
+    try:
+        call = stub.Generate(req, metadata=metadata)
+        async for msg in call:
+            if msg.HasField("chunk"):
+                if rec["t_first"] is None and msg.chunk.token_ids:
+                    rec["t_first"] = time.monotonic()
+            else:
+                c = msg.complete
+                rec.update(t_end=time.monotonic(), tokens=len(c.output_ids), prompt_tokens=c.num_prompt_tokens,
+                           cached_tokens=c.stats.cached_tokens, text=c.text)
+        rec["replica"] = dict(await call.trailing_metadata() or ()).get(header) if header else None
+    except grpc.aio.AioRpcError as e:
+        return {"error": f"{e.code().name}: {e.details()}"}
+    return rec if "t_end" in rec else {"error": "the stream ended without its final message"}
+
+
+async def conversation(stub, index: int, questions: list[str], system: str | None, template, max_tokens: int,
+                       metadata: tuple = (), header: str | None = None) -> list[dict]:
+    """The turns of one conversation, each sent when the previous reply ended; it stops at an error."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    records = []
+    for turn, question in enumerate(questions):
+        messages.append({"role": "user", "content": question})
+        rec = await _turn(stub, render(template, messages), metadata, max_tokens, header)
+        records.append({"conversation": index, "turn": turn, **rec})
+        if "error" in rec:
+            break
+        messages.append({"role": "assistant", "content": records[-1].pop("text")})
+    return records
+
+
+async def run_conversations(address: str, application: str | None, convs: list[tuple[int, list[str]]],
+                            concurrency: int, system: str | None, template, max_tokens: int,
+                            header: str | None = None) -> list[dict]:
+    """Every conversation, `concurrency` of them at once over one channel; -> the records of all their turns."""
+    import grpc
+
+    from dspark_serve.protos.dspark.v1 import dspark_pb2_grpc
+
+    metadata = (("application", application),) if application else ()
+    gate = asyncio.Semaphore(concurrency)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = dspark_pb2_grpc.GenerationStub(channel)
+
+        async def one(index: int, questions: list[str]) -> list[dict]:
+            async with gate:
+                return await conversation(stub, index, questions, system, template, max_tokens, metadata, header)
+
+        return [r for rs in await asyncio.gather(*(one(*c) for c in convs)) for r in rs]
+
+
+def _client_proc(ready, out, *run_args) -> None:
+    import grpc  # noqa: F401 - every client imported before they all start
+
+    from dspark_serve.cluster.grpc_client import DSparkClient  # noqa: F401
+    from dspark_serve.models.chat_template import render_chat  # noqa: F401
+
+    try:
+        ready.wait(timeout=600)
+        out.put(asyncio.run(run_conversations(*run_args)))
+    except Exception as e:  # noqa: BLE001 - reported as the process's error, not a hang of the others
+        out.put([{"error": f"client process: {type(e).__name__}: {e}"}])
+
+
+def load(address: str, application: str | None, convs: list, concurrency: int, system: str, template,
+         max_tokens: int, header: str | None, procs: int) -> tuple[list[dict], float]:
+    """The conversations over up to `procs` client processes, which start together (one: in this process);
+    -> (records, wall s)."""
+    procs = max(1, min(procs, concurrency, len(convs)))
+    if procs == 1:
+        records = asyncio.run(run_conversations(address, application, convs, concurrency, system, template,
+                                                max_tokens, header))
+        return records, wall_s(records)
+    ctx = mp.get_context("spawn")
+    ready, out, workers = ctx.Barrier(procs), ctx.Queue(), []
+    for p in range(procs):
+        share = concurrency // procs + (1 if p < concurrency % procs else 0)
+        w = ctx.Process(target=_client_proc, args=(ready, out, address, application, convs[p::procs], share, system,
+                                                   template, max_tokens, header))
+        w.start()
+        workers.append(w)
+    records = [r for _ in workers for r in out.get(timeout=7200)]
+    for w in workers:
+        w.join()
+    return records, wall_s(records)
+
+
+def wall_s(records: list[dict]) -> float:
+    ok = [r for r in records if "error" not in r]
+    return max(r["t_end"] for r in ok) - min(r["t0"] for r in ok) if ok else float("nan")
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    ok = [r for r in records if "error" not in r]
+    follow = [r for r in ok if r["turn"] >= 1]
+    ttft = lambda rs: sorted(1e3 * ((r["t_first"] or r["t_end"]) - r["t0"]) for r in rs)  # noqa: E731
+    pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")  # noqa: E731
+    prompt, cached = sum(r["prompt_tokens"] for r in ok), sum(r["cached_tokens"] for r in ok)
+    tokens = sum(r["tokens"] for r in ok)
+    return {"requests": len(ok), "errors": len(records) - len(ok), "output_tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall if ok else 0.0,
+            "ttft_ms_p50": pct(ttft(ok), 0.5), "ttft_ms_p99": pct(ttft(ok), 0.99),
+            "follow_up_ttft_ms_p50": pct(ttft(follow), 0.5), "follow_up_ttft_ms_p99": pct(ttft(follow), 0.99),
+            "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / max(prompt, 1),
+            "follow_ups_half_cached": sum(2 * r["cached_tokens"] >= r["prompt_tokens"] for r in follow)
+            / max(len(follow), 1),
+            "per_replica": dict(collections.Counter(r["replica"] for r in ok if r["replica"])),
+            "error_kinds": sorted({r["error"] for r in records if "error" in r})[:5]}
+
+
+# -- servers -------------------------------------------------------------------------------------------------------
+
+def serve_config(args: argparse.Namespace, layout: str, folder: Path) -> Path:
+    """deploy/serve.yaml (serve-cpu.yaml on CPU) for this pair: --replicas pinned, sharing the machine's GPU, with
+    the layout's request router."""
+    import yaml
+
+    cpu = args.device == "cpu"
+    cfg = yaml.safe_load((ROOT / "deploy" / ("serve-cpu.yaml" if cpu else "serve.yaml")).read_text())
+    app = cfg["applications"][0]
+    for name in ("target_resources", "draft_resources", "dtype", "num_kv_blocks"):
+        app["args"].pop(name, None)
+    app["args"].update(target=args.target, draft=args.draft, speculative_config=json.loads(args.speculative_config),
+                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_queue=4 * args.max_num_seqs, channel_host="127.0.0.1", device=args.device or "auto",
+                       router=ROUTERS[layout])
+    if args.gpu_memory_utilization is not None:
+        app["args"]["gpu_memory_utilization"] = args.gpu_memory_utilization
+    else:
+        app["args"]["num_kv_blocks"] = args.num_kv_blocks
+    if not cpu:
+        app["args"]["num_gpus"] = 1 / args.replicas
+    deployment = app["deployments"][0]
+    deployment.pop("autoscaling_config", None)
+    deployment["num_replicas"] = args.replicas
+    cfg["http_options"]["host"] = "127.0.0.1"
+    path = folder / f"{layout}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start(args: argparse.Namespace, layout: str, folder: Path):
+    """The layout's server -> (process, address, Serve application or None, the replica header or None)."""
+    if layout in PREFIX_FLAGS:
+        proc, address = start_server(argparse.Namespace(**vars(args), levels=[args.max_num_seqs]),
+                                     PREFIX_FLAGS[layout])
+        return proc, address, None, None
+    from dspark_serve.cluster.serve_app import REPLICA_HEADER
+
+    proc, address = start_serve(args, serve_config(args, layout, folder))
+    return proc, address, "dspark", REPLICA_HEADER
+
+
+def warm_up(args: argparse.Namespace, address: str, application: str | None, template) -> None:
+    """--warmup single-turn requests without the system prompt (no prefix shared with the conversations)."""
+    warm = [(-1 - i, qs[:1]) for i, qs in conversations(args.warmup, 1)]
+    if warm:
+        asyncio.run(run_conversations(address, application, warm, len(warm), None, template, args.max_tokens))
+
+
+def wait_for_replicas(address: str, header: str, replicas: int, timeout_s: float) -> set[str]:
+    """Serve answers once one replica is up: one-token requests until `replicas` have answered. Their prompts are
+    shorter than a block, so the prefix router has no key for them and sends each to the less loaded of two."""
+    from dspark_serve.cluster.grpc_client import DSparkClient
+
+    client, seen, end = DSparkClient(address, application="dspark"), set(), time.monotonic() + timeout_s
+    try:
+        while len(seen) < replicas:
+            if time.monotonic() > end:
+                raise RuntimeError(f"{replicas} replicas did not all answer within {timeout_s} s: {seen}")
+            call = client.stub.Generate(client.request([1, 2, 3], max_tokens=1), metadata=client.metadata,
+                                        timeout=60)
+            for _ in call:
+                pass
+            seen.add(dict(call.trailing_metadata() or ()).get(header))
+            seen.discard(None)
+    finally:
+        client.close()
+    return seen
+
+
+def _drain(proc) -> collections.deque:
+    """Read the server's log on (its per-request lines would fill the pipe and stall it); the last lines kept."""
+    tail = collections.deque(maxlen=100)
+    threading.Thread(target=tail.extend, args=(proc.stdout,), daemon=True).start()
+    return tail
+
+
+# -- the report ----------------------------------------------------------------------------------------------------
+
+def _line(r: dict) -> str:
+    return (f"{r['layout']:>12} round {r['round']}  TTFT p50 {r['ttft_ms_p50']:8.1f} p99 {r['ttft_ms_p99']:8.1f} ms  "
+            f"follow-ups p50 {r['follow_up_ttft_ms_p50']:8.1f} p99 {r['follow_up_ttft_ms_p99']:8.1f} ms  "
+            f"{r['tok_s']:8.1f} tok/s  hit rate {r['hit_rate']:6.1%}  follow-ups >= half cached "
+            f"{r['follow_ups_half_cached']:6.1%}  requests {r['requests']} errors {r['errors']}  "
+            f"replicas {sorted(r['per_replica'].values(), reverse=True)}")
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per round and compared pair: baseline / configuration TTFT p50 (all, follow-ups), configuration / baseline
+    tok/s."""
+    by = {(r["layout"], r["round"]): r for r in rows}
+    out = []
+    for base, layout in COMPARED:
+        for rnd in sorted({r["round"] for r in rows}):
+            a, b = by.get((base, rnd)), by.get((layout, rnd))
+            if a and b and b["requests"] and a["requests"]:
+                out.append({"round": rnd, "baseline": base, "layout": layout,
+                            "ttft_p50": a["ttft_ms_p50"] / b["ttft_ms_p50"],
+                            "follow_up_ttft_p50": a["follow_up_ttft_ms_p50"] / b["follow_up_ttft_ms_p50"],
+                            "tok_s": b["tok_s"] / a["tok_s"]})
+    return out
+
+
+def print_table(rows: list[dict], summary: list[dict]) -> None:
+    print(f"\n{'configuration':>20} {'TTFT p50':>9} {'follow-up':>9} {'tok/s':>9} {'hit rate':>8} {'>= half':>8} "
+          f"{'replicas':>12}")
+    for r in rows:
+        reps = "/".join(str(n) for n in sorted(r["per_replica"].values(), reverse=True)) or "-"
+        print(f"{r['layout'] + ' r' + str(r['round']):>20} {r['ttft_ms_p50']:9.1f} {r['follow_up_ttft_ms_p50']:9.1f} "
+              f"{r['tok_s']:9.1f} {r['hit_rate']:8.1%} {r['follow_ups_half_cached']:8.1%} {reps:>12}")
+    for s in summary:
+        print(f"round {s['round']}: TTFT p50 {s['baseline']}/{s['layout']} {s['ttft_p50']:.2f} (follow-ups "
+              f"{s['follow_up_ttft_p50']:.2f}), tok/s {s['layout']}/{s['baseline']} {s['tok_s']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
+    from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
+    from dspark_serve.models.tokenizer import load_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(demo_target_dir()))
+    ap.add_argument("--draft", default=str(DEMO_DRAFTER))
+    ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-tokens", type=int, default=1500, help="the shared system prompt's length, about")
+    ap.add_argument("--max-tokens", type=int, default=64, help="each reply's length")
+    ap.add_argument("--concurrency", type=int, help="conversations at once (default: all)")
+    ap.add_argument("--layouts", nargs="+", default=["cache", "nocache"], choices=[*PREFIX_FLAGS, *ROUTERS])
+    ap.add_argument("--rounds", type=int, default=1, help="each layout this often, alternating")
+    ap.add_argument("--replicas", type=int, default=2, help="Serve replicas, sharing the one GPU")
+    ap.add_argument("--num-kv-blocks", type=int, default=16384, help="per server or replica")
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="Serve replicas: size each cache by this share of the GPU instead of --num-kv-blocks (the "
+                         "engine counts every process's memory on the GPU as used, the other replica's included)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, help="default: --concurrency")
+    ap.add_argument("--warmup", type=int, default=8, help="single-turn requests before each measurement")
+    ap.add_argument("--client-procs", type=int, default=4, help="load-generator processes at most")
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    args.concurrency = args.concurrency or args.conversations
+    args.max_num_seqs = args.max_num_seqs or args.concurrency
+
+    tokenizer = load_tokenizer(args.target)
+    system = system_prompt(tokenizer, args.system_tokens)
+    template, template_name = chat_template(args.target)
+    convs = conversations(args.conversations, args.turns)
+    rows: list[dict] = []
+    result = {"target": args.target, "draft": args.draft, "speculative_config": args.speculative_config,
+              "chat_template": template_name, "system_tokens": len(tokenizer.encode(system).ids),
+              "conversations": args.conversations, "turns": args.turns, "concurrency": args.concurrency,
+              "max_tokens": args.max_tokens, "rows": rows}
+    save = lambda: Path(args.json).write_text(json.dumps(result, indent=2)) if args.json else None  # noqa: E731
+    print(f"system prompt {result['system_tokens']} tokens, chat template {template_name}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for layout in args.layouts:
+                t0 = time.monotonic()
+                proc, address, application, header = start(args, layout, Path(tmp))
+                log = _drain(proc)
+                print(f"{layout}: up in {time.monotonic() - t0:.1f} s at {address}", flush=True)
+                try:
+                    if header:
+                        wait_for_replicas(address, header, args.replicas, args.start_timeout)
+                    warm_up(args, address, application, template)
+                    records, wall = load(address, application, convs, args.concurrency, system, template,
+                                         args.max_tokens, header, args.client_procs)
+                finally:
+                    stop(proc)
+                rows.append({"layout": layout, "round": rnd, **summarize(records, wall), "records": records})
+                if rows[-1]["errors"]:
+                    print(f"{layout}: errors {rows[-1]['error_kinds']}; the server's last lines:\n" + "".join(log))
+                print(_line(rows[-1]), flush=True)
+                save()
+    result["summary"] = ratios(rows)
+    print_table(rows, result["summary"])
+    save()
+    return result
+
+
+if __name__ == "__main__":
+    main()
