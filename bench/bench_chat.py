@@ -31,11 +31,10 @@ import collections
 import json
 import multiprocessing as mp
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from bench_service import BENCH, ROOT, start_server, start_serve, stop
+from bench_service import BENCH, ROOT, drain, start_server, start_serve, stop
 
 PREFIX_FLAGS = {"cache": ["--enable-prefix-caching"], "nocache": ["--no-enable-prefix-caching"]}
 ROUTERS = {"serve-prefix": {"seed": 0}, "serve-pow2": "power_of_two"}  # the Serve app's `router` arg
@@ -276,13 +275,6 @@ def wait_for_replicas(address: str, header: str, replicas: int, timeout_s: float
     return seen
 
 
-def _drain(proc) -> collections.deque:
-    """Read the server's log on (its per-request lines would fill the pipe and stall it); the last lines kept."""
-    tail = collections.deque(maxlen=100)
-    threading.Thread(target=tail.extend, args=(proc.stdout,), daemon=True).start()
-    return tail
-
-
 # -- the report ----------------------------------------------------------------------------------------------------
 
 def _line(r: dict) -> str:
@@ -369,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
             for layout in args.layouts:
                 t0 = time.monotonic()
                 proc, address, application, header = start(args, layout, Path(tmp))
-                log = _drain(proc)
+                log = drain(proc)
                 print(f"{layout}: up in {time.monotonic() - t0:.1f} s at {address}", flush=True)
                 try:
                     if header:

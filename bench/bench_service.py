@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import multiprocessing as mp
 import os
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -371,6 +373,13 @@ def yaml_port(config: Path) -> int:
     return int(yaml.safe_load(config.read_text())["grpc_options"]["port"])
 
 
+def drain(proc: subprocess.Popen) -> collections.deque:
+    """Read the server's log on (its per-request lines would fill the pipe and stall it); the last lines kept."""
+    tail = collections.deque(maxlen=100)
+    threading.Thread(target=tail.extend, args=(proc.stdout,), daemon=True).start()
+    return tail
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT if "serve.scripts" in " ".join(proc.args) else signal.SIGTERM)
@@ -455,6 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
             t0 = time.monotonic()
             proc, address = start_serve(args, serve_config(args, Path(tmp))) if layout == "serve" else \
                 start_server(args, LAYOUT_FLAGS[layout])
+            drain(proc)
             print(f"{layout}: up in {time.monotonic() - t0:.1f} s at {address}", flush=True)
             try:
                 rows += served_rows(layout, address, "dspark" if layout == "serve" else None, args, prompts)

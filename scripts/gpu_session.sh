@@ -14,6 +14,8 @@
 #   adaptive  the speculation policy against plain and fixed draft lengths in the engine, c = 1 .. 128
 #   service   the served path against the engine: fixed concurrency 1 .. 128 and Poisson arrivals (Ray and gRPC
 #             wheels installed)
+#   chat      multi-turn conversations sharing a 1,500-token system prompt: the prefix cache on against off
+#   replicas  the same against two Serve replicas on the one GPU: the prefix router against power of two
 #   structured  JSON-schema outputs: validity at T = 0 / 0.8 and batch-1 speed with and without a schema (xgrammar)
 #   det       the deterministic mode off / on: outputs equal to solo runs in waves, tokens/s
 #   prof      engine GPU tests, the pair's batch-1 speed with the per-step profile and Chrome traces
@@ -301,6 +303,12 @@ service)
     RAY_AUTH_MODE=token timeout 570 python3 bench/bench_service.py --target $T --layouts engine default \
         --levels 1 8 16 32 64 128 --request-rates 8 128 512 --json "$OUT/service.json" 2>&1 | tee "$OUT/service.log" \
         | grep -v Warn | tail -24 ;;
+chat)
+    RAY_AUTH_MODE=token timeout 570 python3 bench/bench_chat.py --target $T --layouts cache nocache --rounds 1 \
+        --json "$OUT/chat.json" 2>&1 | tee "$OUT/chat.log" | grep -v Warn | tail -12 ;;
+replicas)
+    RAY_AUTH_MODE=token timeout 570 python3 bench/bench_chat.py --target $T --layouts serve-prefix serve-pow2 \
+        --json "$OUT/chat_serve.json" 2>&1 | tee "$OUT/chat_serve.log" | grep -v Warn | tail -12 ;;
 structured)
     timeout 400 python3 bench/bench_structured.py --target $T --device cuda --json "$OUT/structured.json" 2>&1 \
         | tee "$OUT/structured.log" | grep -v Warn | tail -14 ;;
