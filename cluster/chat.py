@@ -1,16 +1,14 @@
-"""The `chat` input: messages (and tools) checked and rendered with the model's chat template, into text the
-tokenizer encodes without adding special tokens (the template wrote them); a tool choice that forces calls becomes
-the request's grammar."""
+"""The `chat` input: its messages checked and rendered, with its tools (each edge checked those), by the model's chat
+template into text the tokenizer encodes without adding special tokens (the template wrote them); a tool choice that
+forces calls becomes the request's grammar."""
 
 from __future__ import annotations
 
-import json
-
 from dspark_serve.engine.structured_outputs import StructuredOutputsParams
 from dspark_serve.models.chat_template import ChatTemplate, ChatTemplateError, render_chat
-from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from . import tool_calls
+from .gateway_request import Chat
 
 ROLES = ("system", "user", "assistant", "tool")
 TOOL_CHOICES = ("auto", "none", "required")
@@ -22,20 +20,8 @@ class ChatText(str):
     """A rendered conversation: a text prompt whose special tokens are already in it."""
 
 
-def tools(chat: pb.Chat) -> list[dict] | None:
-    """chat.tools_json checked (ValueError naming the field), or None without tools."""
-    if not chat.tools_json:
-        return None
-    try:
-        parsed = json.loads(chat.tools_json)
-    except ValueError as e:
-        raise ValueError(f"chat.tools_json is not valid JSON: {e}") from None
-    return tool_calls.check_tools(parsed, "chat.tools")
-
-
-def render(template: ChatTemplate | None, chat: pb.Chat) -> ChatText:
-    """Raises ValueError naming the field: no template, no messages, an unknown role, bad tools, or a template that
-    fails."""
+def render(template: ChatTemplate | None, chat: Chat) -> ChatText:
+    """Raises ValueError naming the field: no template, no messages, an unknown role, or a template that fails."""
     if template is None:
         raise ValueError("chat input needs a chat template: the target has none; start the server with "
                          "--chat-template FILE")
@@ -46,22 +32,16 @@ def render(template: ChatTemplate | None, chat: pb.Chat) -> ChatText:
         if m.role not in ROLES:
             raise ValueError(f"chat.messages[{i}].role must be one of {', '.join(ROLES)}, got {m.role!r}")
         message = {"role": m.role, "content": m.content}
-        if m.tool_calls_json:
-            try:
-                calls = json.loads(m.tool_calls_json)
-            except ValueError as e:
-                raise ValueError(f"chat.messages[{i}].tool_calls_json is not valid JSON: {e}") from None
-            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-                raise ValueError(f"chat.messages[{i}].tool_calls_json must be a list of tool calls")
-            message["tool_calls"] = tool_calls.chat_messages_for_template(calls)
+        if m.tool_calls:
+            message["tool_calls"] = tool_calls.chat_messages_for_template(list(m.tool_calls))
         if m.tool_call_id:
             message["tool_call_id"] = m.tool_call_id
         if m.name:
             message["name"] = m.name
         messages.append(message)
-    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    tools = None if chat.tools is None else list(chat.tools)
     try:
-        text = render_chat(template, messages, add_generation_prompt=add, tools=tools(chat))
+        text = render_chat(template, messages, add_generation_prompt=chat.add_generation_prompt, tools=tools)
     except ChatTemplateError as e:  # the template's own words; where it was read from stays here
         raise ValueError(f"chat: the chat template failed: {e.__cause__ or e}") from None
     if not text:
@@ -69,21 +49,19 @@ def render(template: ChatTemplate | None, chat: pb.Chat) -> ChatText:
     return ChatText(text)
 
 
-def tool_choice_grammar(chat: pb.Chat, auto_tool_choice: bool) -> StructuredOutputsParams | None:
+def tool_choice_grammar(chat: Chat, auto_tool_choice: bool) -> StructuredOutputsParams | None:
     """The grammar a forced tool choice puts on the output ("required" or a named function), or None; ValueError
     naming the field for a bad choice, and for "auto" (the default with tools) on a server without
     --enable-auto-tool-choice."""
-    choice = chat.tool_choice or ("auto" if chat.tools_json else "none")
+    choice = chat.tool_choice or ("auto" if chat.tools is not None else "none")
     if choice not in TOOL_CHOICES:
         raise ValueError(f"chat.tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {choice!r}")
-    listed = tools(chat)
-    if listed is None:
+    if chat.tools is None:
         if chat.tool_choice_function or choice == "required":
             raise ValueError("chat.tool_choice needs chat.tools_json: there are no tools to call")
         return None
     if choice == "auto" and not chat.tool_choice_function and not auto_tool_choice:
         raise ValueError(AUTO_NEEDS_FLAG)
-    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
-    tag = tool_calls.choice_grammar(listed, choice, chat.tool_choice_function or None, parallel,
+    tag = tool_calls.choice_grammar(list(chat.tools), choice, chat.tool_choice_function, chat.parallel_tool_calls,
                                     "chat.tool_choice_function")
     return StructuredOutputsParams(structural_tag=tag) if tag is not None else None

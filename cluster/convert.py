@@ -1,24 +1,28 @@
-"""Pure conversions between the dspark.v1 messages and the plain dicts the verifier actor speaks."""
+"""The gateway request checked and turned into the step loop's params, and the step loop's outputs as dspark.v1
+messages. Pure."""
 
 from __future__ import annotations
 
+import ctypes
+
 from dspark_serve.engine.detokenize import TextStream
 from dspark_serve.engine.sampling_params import MAX_N, SamplingParams
-from dspark_serve.engine.structured_outputs import StructuredOutputsParams
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from .config import GatewayConfig
+from .gateway_request import GatewayRequest, Sampling, Speculative
 
 _FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "ignore_eos", "repetition_penalty",
            "presence_penalty", "frequency_penalty", "min_tokens", "logprobs", "include_stop_str_in_output",
            "skip_special_tokens", "n", "prompt_logprobs")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORTED}
 MAX_REQUEST_ID_CHARS = 256
 NO_STATS = {"steps": 0, "drafted": 0, "accepted": 0, "tau": 0.0, "per_position_accepted": [], "accepted_per_step": [],
             "draft_ms": 0.0, "verify_ms": 0.0}  # the stats of a sequence the step loop did not end itself
 
 
-def check_limits(req: pb.GenerateRequest, cfg: GatewayConfig) -> None:
+def check_limits(req: GatewayRequest, cfg: GatewayConfig) -> None:
     """The bounds on what one request may make the gateway hold. Raises ValueError naming the field and the limit."""
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise ValueError(f"request_id has {len(req.request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
@@ -34,18 +38,25 @@ def check_limits(req: pb.GenerateRequest, cfg: GatewayConfig) -> None:
                          f"{cfg.max_stop_token_ids}")
 
 
-def sampling_params(msg: pb.SamplingParams, max_tokens_limit: int, max_n: int = MAX_N,
-                    vocab_size: int | None = None) -> dict:
+def float32(x: float) -> float:
+    """A sampling number at the precision the sampler (and dspark.v1's float fields) hold it, so a request means the
+    same through either edge; past float32's range it is infinite."""
+    return ctypes.c_float(x).value
+
+
+def sampling_params(s: Sampling, max_tokens_limit: int, max_n: int = MAX_N, vocab_size: int | None = None) -> dict:
     """Only the fields the client set; the rest keep SamplingParams' defaults, plus "score_only": max_tokens 0 with
     prompt_logprobs (the engine then makes one token, which nobody sees). Raises ValueError naming a field."""
-    kw: dict = {f: getattr(msg, f) for f in _FIELDS if msg.HasField(f)}
-    kw["stop"] = tuple(msg.stop)
-    kw["stop_token_ids"] = tuple(msg.stop_token_ids)
-    kw["logit_bias"] = tuple(sorted(msg.logit_bias.items()))
-    if any(s == "" for s in kw["stop"]):
+    kw: dict = {f: getattr(s, f) for f in _FIELDS if getattr(s, f) is not None}
+    kw.update((f, float32(kw[f])) for f in _FLOATS if f in kw)
+    kw["stop"] = tuple(s.stop)
+    kw["stop_token_ids"] = tuple(s.stop_token_ids)
+    kw["logit_bias"] = tuple(sorted((t, float32(b)) for t, b in s.logit_bias))
+    if any(stop == "" for stop in kw["stop"]):
         raise ValueError("stop strings must be non-empty")
-    if msg.HasField("structured_outputs"):
-        kw["structured_outputs"] = structured_outputs(msg.structured_outputs)
+    if s.structured_outputs is not None:
+        s.structured_outputs.validate("sampling.structured_outputs")
+        kw["structured_outputs"] = s.structured_outputs
     score_only = kw.get("max_tokens") == 0
     if score_only:
         if kw.get("prompt_logprobs") is None:
@@ -57,27 +68,6 @@ def sampling_params(msg: pb.SamplingParams, max_tokens_limit: int, max_n: int = 
     if vocab_size is not None:
         params.check_token_ids(vocab_size)
     return {**kw, "score_only": score_only}
-
-
-def structured_outputs(msg: pb.StructuredOutputs, prefix: str = "sampling.structured_outputs"
-                       ) -> StructuredOutputsParams:
-    """The message as the engine's params; ValueError naming the field when its shape is wrong."""
-    kind = msg.WhichOneof("kind")
-    if kind is None:
-        raise ValueError(f"{prefix} sets no kind: set one of json, json_object, regex, choice, grammar, "
-                         "structural_tag")
-    value = getattr(msg, kind)
-    so = StructuredOutputsParams(**{kind: tuple(value.values) if kind == "choice" else value},
-                                 disable_any_whitespace=msg.disable_any_whitespace)
-    so.validate(prefix)
-    return so
-
-
-def structured_outputs_message(so: StructuredOutputsParams) -> pb.StructuredOutputs:
-    kind = so.kind
-    value = getattr(so, kind)
-    return pb.StructuredOutputs(**{kind: pb.Choices(values=value) if kind == "choice" else value},
-                                disable_any_whitespace=so.disable_any_whitespace)
 
 
 def sequence_params(params: dict, index: int) -> dict:
@@ -104,15 +94,15 @@ def prompt_token_logprobs(entries: list[tuple]) -> list[pb.TokenLogprob]:
                             top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in top]) for t, lp, top, rank in entries]
 
 
-def prompt(req: pb.GenerateRequest, vocab_size: int, max_model_len: int) -> str | list[int]:
-    which = req.WhichOneof("input")
-    if which == "text":
-        if not req.text:
+def prompt(given: str | tuple[int, ...] | None, vocab_size: int, max_model_len: int) -> str | list[int]:
+    """A text or token-id prompt, checked."""
+    if isinstance(given, str):
+        if not given:
             raise ValueError("prompt is empty: text is an empty string")
-        return req.text
-    if which is None or not req.token_ids.ids:
+        return given
+    if not given:
         raise ValueError("prompt is empty: set text or token_ids")
-    ids = list(req.token_ids.ids)
+    ids = list(given)
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token_ids must be in [0, {vocab_size}), got {bad[:5]}")
@@ -126,15 +116,14 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
                          f"{max_model_len})")
 
 
-def speculative(req: pb.GenerateRequest, max_spec: int) -> tuple[int | None, float | None]:
+def speculative(s: Speculative, max_spec: int) -> tuple[int | None, float | None]:
     """(num_speculative_tokens, confidence_threshold) overrides; disable means plain decoding."""
-    s = req.speculative
     if s.disable:
         return 0, None
-    n = s.num_speculative_tokens if s.HasField("num_speculative_tokens") else None
+    n = s.num_speculative_tokens
     if n is not None and not 1 <= n <= max_spec:
         raise ValueError(f"speculative.num_speculative_tokens must be in [1, {max_spec}], got {n}")
-    t = s.confidence_threshold if s.HasField("confidence_threshold") else None
+    t = None if s.confidence_threshold is None else float32(s.confidence_threshold)
     if t is not None and not 0.0 <= t <= 1.0:
         raise ValueError(f"speculative.confidence_threshold must be in [0, 1], got {t}")
     return n, t

@@ -21,6 +21,7 @@ from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from . import chat, convert
 from .config import GatewayConfig
+from .gateway_request import Chat, GatewayRequest
 from .live_sequence import LiveSequence, aborted_final, take
 from .metrics import FINISH_NAMES, ServingMetrics
 from .recent_aborts import RecentAborts
@@ -133,13 +134,11 @@ class GatewayCore:
         for rid in list(self.live):
             self._deliver(rid, GatewayError("UNAVAILABLE", message))
 
-    def _validate(self, req: pb.GenerateRequest) -> tuple[Any, dict, int | None, float | None]:
-        if req.ByteSize() > self.cfg.max_request_bytes:
-            raise ValueError(f"request is {req.ByteSize()} bytes; the limit is {self.cfg.max_request_bytes}")
+    def _validate(self, req: GatewayRequest) -> tuple[Any, dict, int | None, float | None]:
         convert.check_limits(req, self.cfg)
         info = self.info
-        prompt = (chat.render(self.chat_template, req.chat) if req.WhichOneof("input") == "chat"
-                  else convert.prompt(req, info["vocab_size"], info["max_model_len"]))
+        prompt = (chat.render(self.chat_template, req.prompt) if isinstance(req.prompt, Chat)
+                  else convert.prompt(req.prompt, info["vocab_size"], info["max_model_len"]))
         if isinstance(prompt, str):
             if self.token_text is None:
                 raise ValueError("text input needs a tokenizer next to the target; send token_ids")
@@ -147,15 +146,15 @@ class GatewayCore:
             if len(prompt) > limit:
                 raise ValueError(f"text is {len(prompt)} characters; the limit is {limit}")
         params = convert.sampling_params(req.sampling, info["max_model_len"], self.cfg.max_n, info["vocab_size"])
-        if req.WhichOneof("input") == "chat":
-            forced = chat.tool_choice_grammar(req.chat, self.cfg.enable_auto_tool_choice)
+        if isinstance(req.prompt, Chat):
+            forced = chat.tool_choice_grammar(req.prompt, self.cfg.enable_auto_tool_choice)
             if forced is not None and params.get("structured_outputs") is not None:
                 raise ValueError("sampling.structured_outputs and a forced chat.tool_choice both constrain the "
                                  "output; send one")
             params["structured_outputs"] = forced or params.get("structured_outputs")
         if params["stop"] and self.token_text is None:
             raise ValueError("sampling.stop needs a tokenizer next to the target; use stop_token_ids")
-        n, threshold = convert.speculative(req, info["num_speculative_tokens"])
+        n, threshold = convert.speculative(req.speculative, info["num_speculative_tokens"])
         return prompt, params, n, threshold
 
     async def _tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -170,7 +169,7 @@ class GatewayCore:
         convert.check_prompt_length(len(ids), self.info["max_model_len"])
         return ids
 
-    async def generate(self, req: pb.GenerateRequest, deadline_s: float | None,
+    async def generate(self, req: GatewayRequest, deadline_s: float | None,
                        caller: str) -> AsyncIterator[pb.GenerateResponse]:
         """_generate's messages. Every sequence the step loop was given ends counted by reason, in `finished` and
         `metrics` (with its time to first token and end to end as the gateway saw them): its final message's, else
@@ -206,7 +205,7 @@ class GatewayCore:
         if self.metrics is not None:
             self.metrics.finished(rid, index, final, ttft_s, e2e_s, reason)
 
-    async def _generate(self, req: pb.GenerateRequest, deadline_s: float | None, caller: str,
+    async def _generate(self, req: GatewayRequest, deadline_s: float | None, caller: str,
                         ended: _Ended) -> AsyncIterator[pb.GenerateResponse]:
         """`caller` (auth.Access) scopes request ids: callers may pick the same id. The step loop knows each
         request by a fresh random key, so an id reused right after a cancel never meets its predecessor there. A
@@ -346,9 +345,9 @@ class GatewayCore:
         return pb.ModelInfo(**self.info, served_model_name=self.served_model_name,
                             has_chat_template=self.chat_template is not None)
 
-    def _fill_context(self, req: pb.GenerateRequest, params: dict, num_prompt_tokens: int) -> None:
+    def _fill_context(self, req: GatewayRequest, params: dict, num_prompt_tokens: int) -> None:
         """Chat input without max_tokens may fill the context, as OpenAI's chat API does."""
-        if req.WhichOneof("input") == "chat" and not req.sampling.HasField("max_tokens"):
+        if isinstance(req.prompt, Chat) and req.sampling.max_tokens is None:
             params["max_tokens"] = self.info["max_model_len"] - num_prompt_tokens
 
     async def drain(self, timeout_s: float, pair_gone: Callable[[], Awaitable[bool]] | None = None) -> None:

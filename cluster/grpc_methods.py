@@ -1,22 +1,28 @@
-"""dspark.v1.Generation over grpc.aio: reads each body within its method's size limit, names the caller, and maps
-GatewayError codes to gRPC status (the one place that does)."""
+"""dspark.v1.Generation over grpc.aio: reads each body within its method's size limit, names the caller, turns a
+GenerateRequest into the gateway's request (here and for the Serve deployment), and maps GatewayError codes to gRPC
+status (the one place that does)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from dspark_serve.engine.structured_outputs import KINDS, StructuredOutputsParams
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
+from . import tool_calls
 from .auth import Access
 from .config import GatewayConfig
 from .gateway import GatewayCore, GatewayError
+from .gateway_request import Chat, ChatMessage, GatewayRequest, Sampling, Speculative
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "dspark.v1.Generation"
+_OPTIONAL = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence and f.message_type is None]
 
 
 def _reader(cls: type[Message], limit: int) -> Callable[[bytes], Message | GatewayError]:
@@ -48,7 +54,8 @@ class GenerationServicer:
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             caller = self._admit(request, context)
-            async for response in self.core.generate(request, context.time_remaining(), caller):
+            req = gateway_request(request, self.core.cfg.max_request_bytes)
+            async for response in self.core.generate(req, context.time_remaining(), caller):
                 yield response
         except Exception as e:
             await _fail(context, e)
@@ -74,6 +81,63 @@ class GenerationServicer:
             return await self.core.server_stats()
         except Exception as e:
             await _fail(context, e)
+
+
+def gateway_request(msg: pb.GenerateRequest, max_bytes: int) -> GatewayRequest:
+    """A dspark.v1.GenerateRequest as the gateway's request. INVALID_ARGUMENT for what has no typed form: a message
+    over max_bytes, tools_json or tool_calls_json that is not a valid list of them, a structured output of no kind."""
+    size = msg.ByteSize()
+    if size > max_bytes:
+        raise GatewayError("INVALID_ARGUMENT", f"request is {size} bytes; the limit is {max_bytes}")
+    which, s, spec = msg.WhichOneof("input"), msg.sampling, msg.speculative
+    try:
+        prompt = _chat(msg.chat) if which == "chat" else tuple(msg.token_ids.ids) if which == "token_ids" else \
+            msg.text if which == "text" else None
+        sampling = Sampling(**{f: getattr(s, f) for f in _OPTIONAL if s.HasField(f)}, stop=tuple(s.stop),
+                            stop_token_ids=tuple(s.stop_token_ids), logit_bias=tuple(sorted(s.logit_bias.items())),
+                            structured_outputs=_structured(s.structured_outputs)
+                            if s.HasField("structured_outputs") else None)
+    except ValueError as e:
+        raise GatewayError("INVALID_ARGUMENT", str(e)) from None
+    speculative = Speculative(
+        spec.num_speculative_tokens if spec.HasField("num_speculative_tokens") else None,
+        spec.confidence_threshold if spec.HasField("confidence_threshold") else None, spec.disable)
+    return GatewayRequest(prompt, msg.request_id, sampling, speculative)
+
+
+def _structured(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError(f"sampling.structured_outputs sets no kind: set one of {', '.join(KINDS)}")
+    value = getattr(msg, kind)
+    return StructuredOutputsParams(**{kind: tuple(value.values) if kind == "choice" else value},
+                                   disable_any_whitespace=msg.disable_any_whitespace)
+
+
+def _chat(chat: pb.Chat) -> Chat:
+    messages = tuple(ChatMessage(m.role, m.content, _calls(m.tool_calls_json, i), m.tool_call_id or None,
+                                 m.name or None) for i, m in enumerate(chat.messages))
+    tools = tool_calls.check_tools(_parsed(chat.tools_json, "chat.tools_json"), "chat.tools") \
+        if chat.tools_json else None
+    return Chat(messages, chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True,
+                None if tools is None else tuple(tools), chat.tool_choice or None, chat.tool_choice_function or None,
+                chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True)
+
+
+def _calls(text: str, i: int) -> tuple[dict, ...]:
+    if not text:
+        return ()
+    calls = _parsed(text, f"chat.messages[{i}].tool_calls_json")
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise ValueError(f"chat.messages[{i}].tool_calls_json must be a list of tool calls")
+    return tuple(calls)
+
+
+def _parsed(text: str, name: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from None
 
 
 def status(e: Exception) -> tuple[grpc.StatusCode, str]:

@@ -27,6 +27,7 @@ from . import openai_convert as oc
 from . import openai_tools
 from .auth import Access
 from .gateway import GatewayCore, GatewayError
+from .gateway_request import GatewayRequest
 from .json_body import BodyError, parse_object
 from .prompt_streams import merged
 from .tool_calls import ToolStream
@@ -267,13 +268,13 @@ async def _json_body(request: Request, limit: int) -> dict:
     return parse_object(b"".join(parts))
 
 
-def _prompt_text(core: GatewayCore, req: pb.GenerateRequest) -> str:
+def _prompt_text(core: GatewayCore, req: GatewayRequest) -> str:
     """A prompt as echo shows it: the text sent, or the token ids' text."""
-    if req.WhichOneof("input") == "text":
-        return req.text
+    if isinstance(req.prompt, str):
+        return req.prompt
     piece = _piece(core)
-    return "".join(piece(t)[0] for t in req.token_ids.ids) if core.token_text is None else \
-        b"".join(bytes(piece(t)[1]) for t in req.token_ids.ids).decode("utf-8", "replace")
+    return "".join(piece(t)[0] for t in req.prompt) if core.token_text is None else \
+        b"".join(bytes(piece(t)[1]) for t in req.prompt).decode("utf-8", "replace")
 
 
 async def _while_connected(request: Request, work: Awaitable) -> object | None:

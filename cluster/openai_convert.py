@@ -1,5 +1,6 @@
-"""OpenAI's completion and chat-completion JSON to dspark.v1 requests, as pure functions: each field checked by type
-and range (the proto's too), failures as OpenAI's error object with its HTTP status. openai_answer.py goes back."""
+"""OpenAI's completion and chat-completion JSON to the gateway's requests, as pure functions: each field checked by
+type and range (dspark.v1's too: ids fit int32, seeds int64), failures as OpenAI's error object with its HTTP status.
+openai_answer.py goes back."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dspark_serve.engine.sampling_params import MAX_BIAS, MAX_LOGIT_BIAS
-from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
 from . import openai_tools
+from .gateway_request import Chat, ChatMessage, GatewayRequest, Sampling
 
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "ALREADY_EXISTS": 409,
                "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
@@ -22,9 +23,9 @@ _ERROR_KIND = {400: ("invalid_request_error", None), 401: ("invalid_request_erro
                431: ("invalid_request_error", "request_header_fields_too_large"),
                429: ("rate_limit_error", "rate_limit_exceeded"), 503: ("server_error", "service_unavailable"),
                504: ("server_error", "timeout")}
-# Sampling fields with the same name in OpenAI's (or vLLM's) JSON and in the proto, by JSON type
+# Sampling fields with the same name in OpenAI's (or vLLM's) JSON and in the gateway request, by JSON type
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_INTS = {"top_k": 32, "seed": 64, "min_tokens": 32}  # bits of the proto's signed field
+_INTS = {"top_k": 32, "seed": 64, "min_tokens": 32}  # bits of dspark.v1's signed field
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 _REFUSED = {"suffix": "suffix", "functions": "function calls (use tools)"}  # would change the answer
 TOKEN_ID_LIMIT = 1 << 31  # token ids travel as int32
@@ -75,7 +76,7 @@ def _shown(value: Any) -> str:
 
 
 def _int(body: dict, name: str, bits: int = 32, low: int | None = None) -> int | None:
-    """An integer field that fits the proto's signed `bits`-bit field (and is >= low)."""
+    """An integer field that fits dspark.v1's signed `bits`-bit field (and is >= low)."""
     value = _get(body, name, (int,), "an integer")
     lo, hi = -(1 << (bits - 1)) if low is None else low, (1 << (bits - 1)) - 1
     if value is not None and not lo <= value <= hi:
@@ -108,49 +109,44 @@ def _token_ids(value: Any, name: str, vocab_size: int) -> list[int]:
     return value
 
 
-def _sampling(body: dict, msg: pb.SamplingParams, chat: bool, vocab_size: int) -> Options:
+def _sampling(body: dict, chat: bool, vocab_size: int) -> tuple[Sampling, Options]:
+    kw: dict[str, Any] = {"structured_outputs": _fields(openai_tools.structured, body)}
     for name in _NUMBERS:
-        if (v := _number(body, name)) is not None:
-            setattr(msg, name, v)
+        kw[name] = _number(body, name)
     for name, bits in _INTS.items():
         if (v := _int(body, name, bits)) is not None:
-            setattr(msg, name, 0 if name == "top_k" and v == -1 else v)  # vLLM's -1: off
+            kw[name] = 0 if name == "top_k" and v == -1 else v  # vLLM's -1: off
     for name in _BOOLS:
-        if (v := _get(body, name, (bool,), "true or false")) is not None:
-            setattr(msg, name, v)
+        kw[name] = _get(body, name, (bool,), "true or false")
     for name in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
         if (v := _int(body, name)) is not None:
-            msg.max_tokens = v
+            kw["max_tokens"] = v
             break
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise APIError(400, "stop must be a string or a list of strings", "stop")
-        msg.stop.extend(stops)
+        kw["stop"] = tuple(stops)
     if (ids := _get(body, "stop_token_ids", (list,), "a list of integers")) is not None:
-        msg.stop_token_ids.extend(_token_ids(ids, "stop_token_ids", TOKEN_ID_LIMIT))
-    if (n := _int(body, "n", low=1)) is not None:
-        msg.n = n
+        kw["stop_token_ids"] = tuple(_token_ids(ids, "stop_token_ids", TOKEN_ID_LIMIT))
+    kw["n"] = _int(body, "n", low=1)
     if (bias := _get(body, "logit_bias", (dict,), "an object of token id: bias")) is not None:
-        msg.logit_bias.update(_logit_bias(bias, vocab_size))
-    top = _logprobs(body, chat)
-    if top is not None:
-        msg.logprobs = top
+        kw["logit_bias"] = tuple(sorted(_logit_bias(bias, vocab_size).items()))
+    top = kw["logprobs"] = _logprobs(body, chat)
     echo = not chat and bool(_get(body, "echo", (bool,), "true or false"))
     prompt_top = _int(body, "prompt_logprobs", low=0)
     if echo and top is not None:  # the prompt's tokens with their logprobs, as many alternatives as the output's
         prompt_top = max(top, prompt_top or 0)
-    if prompt_top is not None:
-        msg.prompt_logprobs = prompt_top
-    if msg.HasField("max_tokens") and msg.max_tokens == 0:
+    kw["prompt_logprobs"] = prompt_top
+    if kw.get("max_tokens") == 0:
         if not echo and prompt_top is None:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo or prompt_logprobs)", "max_tokens")
-        msg.prompt_logprobs = prompt_top or 0
+        kw["prompt_logprobs"] = prompt_top or 0
     stream = bool(_get(body, "stream", (bool,), "true or false"))
     opts = _get(body, "stream_options", (dict,), "an object") or {}
-    return Options(chat, stream, stream and bool(opts.get("include_usage")), top, echo,
-                   _int(body, "prompt_logprobs", low=0), msg.n if msg.HasField("n") else 1)
+    return Sampling(**kw), Options(chat, stream, stream and bool(opts.get("include_usage")), top, echo,
+                                   _int(body, "prompt_logprobs", low=0), kw["n"] or 1)
 
 
 def _logit_bias(bias: dict, vocab_size: int) -> dict[int, float]:
@@ -192,31 +188,20 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise APIError(400, "best_of other than n is not supported", "best_of")
 
 
-def completion_request(body: dict, vocab_size: int, max_seqs: int) -> tuple[list[pb.GenerateRequest], Options]:
+def completion_request(body: dict, vocab_size: int, max_seqs: int) -> tuple[list[GatewayRequest], Options]:
     """POST /v1/completions: one request per prompt (a string, token ids, or a list of either), ids
     "<id>-<prompt>" when there are several; at most max_seqs sequences (prompts x n)."""
     _refuse_unsupported(body, chat=False)
     if body.get("tools") is not None or body.get("tool_choice") is not None:
         raise APIError(400, "tools are for /v1/chat/completions", "tools")
     prompts = _prompts(body.get("prompt"), vocab_size)
-    template = pb.GenerateRequest()
-    _fields(openai_tools.set_structured, body, template.sampling)
-    opts = _sampling(body, template.sampling, False, vocab_size)
+    sampling, opts = _sampling(body, False, vocab_size)
     if len(prompts) * opts.n > max_seqs:
         raise APIError(400, f"{len(prompts)} prompts x n = {opts.n} is {len(prompts) * opts.n} sequences; the limit "
                             f"is {max_seqs}", "prompt")
     rid = secrets.token_hex(16)
-    reqs = []
-    for i, prompt in enumerate(prompts):
-        req = pb.GenerateRequest()
-        req.CopyFrom(template)
-        req.request_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            req.token_ids.ids.extend(prompt)
-        reqs.append(req)
-    return reqs, opts
+    return [GatewayRequest(p if isinstance(p, str) else tuple(p), rid if len(prompts) == 1 else f"{rid}-{i}", sampling)
+            for i, p in enumerate(prompts)], opts
 
 
 def _prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
@@ -239,25 +224,23 @@ def _prompts(prompt: Any, vocab_size: int) -> list[str | list[int]]:
     return [_token_ids(prompt, "prompt", vocab_size)]
 
 
-def chat_request(body: dict, vocab_size: int) -> tuple[pb.GenerateRequest, Options]:
+def chat_request(body: dict, vocab_size: int) -> tuple[GatewayRequest, Options]:
     """POST /v1/chat/completions: messages become the `chat` input, rendered by the server's chat template."""
     _refuse_unsupported(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content}", "messages")
-    req = pb.GenerateRequest()
+    turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a string role", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        msg = req.chat.messages.add(role=role, content=_content(m.get("content"), i))
-        _fields(openai_tools.set_message_tools, m, msg, i)
+        turns.append(ChatMessage(role, _content(m.get("content"), i), **_fields(openai_tools.message_tools, m, i)))
     add = _get(body, "add_generation_prompt", (bool,), "true or false")
-    if add is not None:
-        req.chat.add_generation_prompt = add
-    _fields(openai_tools.set_structured, body, req.sampling)
-    opts = _sampling(body, req.sampling, True, vocab_size)
-    return req, replace(opts, tools=_fields(openai_tools.set_tools, body, req.chat))
+    sampling, opts = _sampling(body, True, vocab_size)
+    tools, parse = _fields(openai_tools.chat_tools, body)
+    chat = Chat(tuple(turns), True if add is None else add, **tools)
+    return GatewayRequest(chat, "", sampling), replace(opts, tools=parse)
 
 
 def _fields(fn: Callable, *args: Any) -> Any:

@@ -1,4 +1,4 @@
-"""OpenAI's structured-output and tool fields onto a dspark.v1 request (response_format, vLLM's structured_outputs
+"""OpenAI's structured-output and tool fields as the gateway request's (response_format, vLLM's structured_outputs
 and guided_* extras, tools, tool_choice, parallel_tool_calls), and tool calls back into OpenAI's answers. Pure."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ import json
 from typing import Any
 
 from dspark_serve.engine.structured_outputs import StructuredOutputsParams
-from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 
-from . import convert, tool_calls
+from . import tool_calls
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -63,25 +62,19 @@ def structured(body: dict) -> StructuredOutputsParams | None:
     return found[0][1] if found else None
 
 
-def set_structured(body: dict, msg: pb.SamplingParams) -> None:
-    so = structured(body)
-    if so is not None:
-        msg.structured_outputs.CopyFrom(convert.structured_outputs_message(so))
-
-
-def set_tools(body: dict, chat: pb.Chat) -> bool:
-    """tools, tool_choice and parallel_tool_calls onto the chat input; -> whether the answer is parsed for calls
-    (tools given and tool_choice not "none")."""
+def chat_tools(body: dict) -> tuple[dict, bool]:
+    """tools, tool_choice and parallel_tool_calls as the chat input's fields (gateway_request.Chat's), and whether
+    the answer is parsed for calls (tools given and tool_choice not "none")."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
         if choice not in (None, "none"):
             raise FieldError("tool_choice needs tools: there are no tools to call", "tool_choice")
-        return False
+        return {}, False
     try:
         checked = tool_calls.check_tools(tools)
     except ValueError as e:
         raise FieldError(str(e), "tools") from None
-    chat.tools_json = json.dumps(checked)
+    out: dict[str, Any] = {"tools": tuple(checked)}
     if isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type") == "function" else None
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -90,32 +83,35 @@ def set_tools(body: dict, chat: pb.Chat) -> bool:
                              '{"name": ...}}', "tool_choice")
         if name not in {t["function"]["name"] for t in checked}:
             raise FieldError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
-        chat.tool_choice_function = name
+        out["tool_choice_function"] = name
     elif choice is not None:
         if choice not in ("auto", "none", "required"):
             raise FieldError(f'tool_choice must be "auto", "none", "required" or a named function, got {choice!r}',
                              "tool_choice")
-        chat.tool_choice = choice
+        out["tool_choice"] = choice
     parallel = body.get("parallel_tool_calls")
     if parallel is not None:
         if not isinstance(parallel, bool):
             raise FieldError("parallel_tool_calls must be true or false", "parallel_tool_calls")
-        chat.parallel_tool_calls = parallel
-    return choice != "none"
+        out["parallel_tool_calls"] = parallel
+    return out, choice != "none"
 
 
-def set_message_tools(m: dict, msg: pb.ChatMessage, i: int) -> None:
-    """An assistant message's tool_calls, a tool message's tool_call_id and name."""
+def message_tools(m: dict, i: int) -> dict:
+    """An assistant message's tool_calls, a tool message's tool_call_id and name, as gateway_request.ChatMessage's
+    fields."""
+    out: dict[str, Any] = {}
     calls = m.get("tool_calls")
     if calls:
         if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
             raise FieldError(f"messages[{i}].tool_calls must be a list of tool calls", "messages")
-        msg.tool_calls_json = json.dumps(calls)
+        out["tool_calls"] = tuple(calls)
     for name in ("tool_call_id", "name"):
         if m.get(name) is not None:
             if not isinstance(m[name], str):
                 raise FieldError(f"messages[{i}].{name} must be a string", "messages")
-            setattr(msg, name, m[name])
+            out[name] = m[name]
+    return out
 
 
 def message(text: str, parse: bool) -> tuple[dict, bool]:

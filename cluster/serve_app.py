@@ -23,7 +23,7 @@ from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
 from .auth import Access
 from .config import GatewayConfig, PairConfig
 from .gateway import GatewayCore
-from .grpc_methods import status
+from .grpc_methods import gateway_request, status
 from .metrics import GaugeRefresher, RaySink, ServingMetrics, log_requests_to_stderr
 
 BUILTIN_TINY = "builtin:tiny"  # a tiny constructed pair written at startup, with a byte-level tokenizer (laptop / CI)
@@ -114,7 +114,8 @@ class DSpark:
         try:
             caller = self.access.caller(grpc_context)
             await self._ready()
-            async for response in self.core.generate(request, None, caller):
+            req = gateway_request(request, self.gateway_cfg.max_request_bytes)
+            async for response in self.core.generate(req, None, caller):
                 yield response
         except Exception as e:
             _fail(grpc_context, e)

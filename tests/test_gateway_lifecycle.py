@@ -12,6 +12,7 @@ from dspark_serve.cluster.auth import Access
 from dspark_serve.cluster.grpc_client import DSparkClient
 from dspark_serve.cluster.config import GatewayConfig
 from dspark_serve.cluster.gateway import UNAVAILABLE, GatewayCore, GatewayError
+from dspark_serve.cluster.gateway_request import GatewayRequest
 from dspark_serve.cluster.grpc_methods import SERVICE_NAME, GenerationServicer, rpc_handlers
 from dspark_serve.models.random_init import random_pair
 from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
@@ -63,7 +64,7 @@ def test_a_gone_pair_is_unavailable_on_every_method():
                     await result
             assert e.value.code == "UNAVAILABLE" and e.value.message == UNAVAILABLE
         with pytest.raises(GatewayError) as e:
-            [m async for m in core.generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])), None, "caller")]
+            [m async for m in core.generate(GatewayRequest((1,)), None, "caller")]
         assert e.value.code == "UNAVAILABLE"
 
     asyncio.run(calls())

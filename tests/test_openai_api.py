@@ -374,11 +374,12 @@ def test_serve_flags_reach_the_configs_and_the_verifier(monkeypatch, pair_dirs, 
 
 def test_a_failing_chat_template_is_the_clients_error_without_the_servers_paths():
     from dspark_serve.cluster.chat import render
+    from dspark_serve.cluster.gateway_request import Chat, ChatMessage
     from dspark_serve.models.chat_template import ChatTemplate
 
     template = ChatTemplate("/srv/models/secret/tokenizer_config.json",
                             "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}x")
-    assert render(template, pb.Chat(messages=[pb.ChatMessage(role="user", content="a")])) == "x"
+    assert render(template, Chat((ChatMessage("user", "a"),))) == "x"
     with pytest.raises(ValueError) as e:
-        render(template, pb.Chat(messages=[pb.ChatMessage(role="user", content="a")] * 2))
+        render(template, Chat((ChatMessage("user", "a"),) * 2))
     assert "one message only" in str(e.value) and "/srv" not in str(e.value)

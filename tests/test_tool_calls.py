@@ -7,7 +7,7 @@ import random
 import pytest
 
 from dspark_serve.cluster import chat, tool_calls
-from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
+from dspark_serve.cluster.gateway_request import Chat
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
@@ -65,19 +65,19 @@ def test_bad_tools_name_the_field(tools, error):
 
 
 def test_forced_choices_become_grammars_and_auto_needs_the_flag():
-    c = pb.Chat(tools_json=json.dumps(TOOLS))
+    c = Chat((), tools=tuple(tool_calls.check_tools(TOOLS)))
     with pytest.raises(ValueError, match="--enable-auto-tool-choice"):
         chat.tool_choice_grammar(c, auto_tool_choice=False)
     assert chat.tool_choice_grammar(c, auto_tool_choice=True) is None  # auto: free text or calls
-    named = chat.tool_choice_grammar(pb.Chat(tools_json=c.tools_json, tool_choice_function="noop"), False)
+    named = chat.tool_choice_grammar(Chat((), tools=c.tools, tool_choice_function="noop"), False)
     tag = json.loads(named.structural_tag)["format"]
     assert tag["type"] == "tag" and tag["begin"] == '<tool_call>\n{"name": "noop", "arguments": '
     assert tag["content"]["json_schema"] == {"type": "object", "properties": {}}
-    required = chat.tool_choice_grammar(pb.Chat(tools_json=c.tools_json, tool_choice="required",
-                                                parallel_tool_calls=False), False)
+    required = chat.tool_choice_grammar(Chat((), tools=c.tools, tool_choice="required",
+                                             parallel_tool_calls=False), False)
     fmt = json.loads(required.structural_tag)["format"]
     assert fmt["type"] == "tags_with_separator" and fmt["at_least_one"] and fmt["stop_after_first"]
     assert [t["begin"].split('"')[3] for t in fmt["tags"]] == ["get_weather", "noop"]
-    assert chat.tool_choice_grammar(pb.Chat(tools_json=c.tools_json, tool_choice="none"), False) is None
+    assert chat.tool_choice_grammar(Chat((), tools=c.tools, tool_choice="none"), False) is None
     with pytest.raises(ValueError, match="chat.tool_choice must be one of"):
-        chat.tool_choice_grammar(pb.Chat(tools_json=c.tools_json, tool_choice="always"), True)
+        chat.tool_choice_grammar(Chat((), tools=c.tools, tool_choice="always"), True)
