@@ -104,12 +104,10 @@ class TargetSide:
 
     @torch.inference_mode()
     def run(self, reqs: list[Request], tokens: list[list[int]], last_only: bool,
-            starts: list[int] | None = None, cached: list[list[int] | None] | None = None
-            ) -> tuple[Tensor, list[Tensor | None]]:
-        """Write `tokens[b]` at positions starts[b].. (default: num_computed) of reqs[b]. `cached[b]`: the tokens
-        before starts[b] when the prefix cache gave them (None otherwise); with last_only, prompts the prompt graphs
-        take whole are computed from position 0 that way (their cached K/V rewritten with the same values): a graph
-        costs the device time of the prefix, an eager prefill one host launch per kernel.
+            starts: list[int] | None = None) -> tuple[Tensor, list[Tensor | None]]:
+        """Write `tokens[b]` at positions starts[b].. (default: num_computed) of reqs[b]; with last_only, prompts
+        the prompt graphs take (fresh or after a cached start) run through them: a graph costs the device time of
+        the new tokens, an eager prefill one host launch per kernel.
 
         Returns logits [R, Q, V] fp32 (Q = 1 with last_only, else the longest token list; rows past len(tokens[b])
         are padding: zeros here, arbitrary on the static path, never to be read) and per request the captured
@@ -118,11 +116,8 @@ class TargetSide:
         """
         starts = [r.num_computed for r in reqs] if starts is None else starts
         lens = [len(t) for t in tokens]
-        if last_only and self.prompts is not None:
-            before = [len(c) if c is not None else 0 for c in (cached or [None] * len(reqs))]
-            if before == starts and self.prompts.takes([0] * len(reqs), [b + n for b, n in zip(before, lens)]):
-                whole = [list(c) + t if c else t for c, t in zip(cached or [None] * len(reqs), tokens)]
-                return self.prompts.run([r.target_blocks for r in reqs], whole, skip=before)
+        if last_only and self.prompts is not None and self.prompts.takes(starts, lens):
+            return self.prompts.run([r.target_blocks for r in reqs], tokens, starts)
         meta = batch_metadata([r.target_blocks for r in reqs], starts, lens, self.block_size, self.device)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
         hidden, feats = self.runner.forward(ids, positions_of(starts, lens, self.device), meta, self.cache,

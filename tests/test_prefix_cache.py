@@ -68,16 +68,16 @@ def test_outputs_equal_with_and_without_the_cache(with_draft):
     assert kv.hits > 0 and kv.queries > kv.hits
 
 
-def test_a_cached_prompt_the_prompt_graphs_take_is_computed_whole_with_the_same_outputs(monkeypatch):
-    """On the static path a prompt whose prefix the cache gave runs through the prompt graphs from position 0 (an
-    eager prefill would cost a host launch per kernel); tokens and the draft's context are those of the uncached
-    run."""
+def test_a_cached_prompt_continues_through_the_prompt_graphs_with_the_same_outputs(monkeypatch):
+    """On the static path the rest of a prompt whose prefix the cache gave runs through a prompt graph over the
+    cached keys (an eager prefill would cost a host launch per kernel); tokens and the draft's context are those of
+    the uncached run."""
     from dspark_serve.engine.runner.prompt_graphs import PromptGraphs
 
-    skips = []
+    starts = []
     run = PromptGraphs.run
-    monkeypatch.setattr(PromptGraphs, "run", lambda self, tables, prompts, skip=None: (
-        skips.append(list(skip or [])), run(self, tables, prompts, skip))[1])
+    monkeypatch.setattr(PromptGraphs, "run", lambda self, tables, tokens, at=None: (
+        starts.append(list(at or [])), run(self, tables, tokens, at))[1])
     target, draft = build_pair(seed=5, agree=0.01, block_size=5, dtype=torch.float32)
     g = torch.Generator().manual_seed(4)
     prompts = [SYSTEM + torch.randint(0, 250, (n,), generator=g).tolist() for n in (5, 17, 9)]
@@ -90,7 +90,7 @@ def test_a_cached_prompt_the_prompt_graphs_take_is_computed_whole_with_the_same_
         assert a.token_ids == b.token_ids
         assert a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
     assert [o.stats["cached_tokens"] for o in outs[True]][1:] == [len(SYSTEM) // 8 * 8] * 2
-    assert [s for s in skips if any(s)] == [[len(SYSTEM) // 8 * 8]] * 2  # the two cached prompts, whole
+    assert [s for s in starts if any(s)] == [[len(SYSTEM) // 8 * 8]] * 2  # the two cached prompts' rest
 
 
 def test_a_second_request_with_the_same_system_prompt_is_mostly_cached():

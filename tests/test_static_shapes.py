@@ -113,7 +113,33 @@ def test_prompt_graphs_match_dynamic_prefill(lens):
     live = sides[0].num_blocks  # the prompts' K/V, the padding's in the trash block only
     torch.testing.assert_close(sides[1].cache[:, :, :live], sides[0].cache[:, :, :live], atol=1e-5, rtol=1e-5)
     built = set(sides[1].prompts._runners)
-    assert built == ({32, 48} if len(lens) <= 4 else set())  # five fresh prompts run eagerly as one batch
+    assert built == ({(32, 0), (48, 0)} if len(lens) <= 4 else set())  # five prompts run eagerly as one batch
+
+
+def test_context_graphs_continue_prompts_after_a_cached_start_as_the_dynamic_prefill_does():
+    """The rest of each prompt after a start already in the cache (written by the same eager prefill on both
+    sides): its graph attends to the cached keys through the block table and writes only the new tokens' K/V."""
+    target, draft = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
+    sides = [TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids) for _ in range(2)]
+    sides[1].use_static_shapes(3, max_model_len=128)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (40, 19, 77)]
+    starts = [16, 8, 40]
+    outs = []
+    for side in sides:
+        reqs = _requests(side, prompts)
+        graphs, side.prompts = side.prompts, None  # the start: the dynamic prefill on both sides
+        side.run(reqs, [p[:s] for p, s in zip(prompts, starts)], last_only=True, starts=[0] * 3)
+        side.prompts = graphs
+        outs.append(side.run(reqs, [p[s:] for p, s in zip(prompts, starts)], last_only=True, starts=starts))
+    (la, fa), (lb, fb) = outs
+    torch.testing.assert_close(lb, la, atol=1e-5, rtol=1e-5)
+    for a, b, p, s in zip(fa, fb, prompts, starts):
+        assert b.shape == (len(p) - s, a.shape[1])
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    live = sides[0].num_blocks
+    torch.testing.assert_close(sides[1].cache[:, :, :live], sides[0].cache[:, :, :live], atol=1e-5, rtol=1e-5)
+    assert set(sides[1].prompts._runners) == {(32, 256), (48, 256)}  # 24 and 11 new tokens: 32; 37: 48
 
 
 def test_prompt_graphs_leave_compute_bound_prefills_eager():
@@ -129,7 +155,8 @@ def test_prompt_graphs_leave_compute_bound_prefills_eager():
              for lens in ([32], [30, 2], [33], [49], [64], [65], [32, 33], [1, 1, 1])}
     assert takes == {(32,): True, (30, 2): True, (33,): True, (49,): True, (64,): True, (65,): False,
                      (32, 33): False, (1, 1, 1): False}  # buckets 32, 32+32, 48, 64, 64, 96, 32+48, 3 x 32
-    assert not side.prompts.takes([0, 4], [5, 5])  # a sequence with context is no fresh prompt
+    assert side.prompts.takes([0, 4], [5, 5])  # a sequence with a cached start: over its context
+    assert not side.prompts.takes([100], [5])  # its padded tokens would pass max_model_len
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 250, (70,), generator=g).tolist()
     eager = TargetSide(target, 64, 8)
@@ -234,7 +261,7 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
     side.prompts.max_work = 96 * side.prompts.layer_weights  # one prompt of <= 96 tokens
     assert side.warm_up() == 3 * 2 + 4 and dside.warm_up() == 2 * 2 and len(pools) == 14
     assert set(side.graphs._runners) == {(1, t, c, False) for t in (1, 2, 4) for c in (256, 304)}
-    assert set(side.prompts._runners) == {32, 48, 64, 96}  # of the buckets up to 384
+    assert set(side.prompts._runners) == {(n, 0) for n in (32, 48, 64, 96)}  # of the buckets up to 384
     assert set(dside.graphs._runners) == {(1, c, q) for c in dside.graphs.buckets.context for q in (False, True)}
     assert side.warm_up() == 0 and dside.warm_up() == 0  # nothing left to record
 
@@ -256,6 +283,8 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
     torch.testing.assert_close(pb, pa, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(vb, va, atol=1e-5, rtol=1e-5)
     assert torch.equal(da.tokens, db.tokens)
+    side.run(_requests(side, [prompt]), [prompt[16:]], last_only=True, starts=[16])  # after a cached start
+    assert len(pools) == 15 and (32, 256) in side.prompts._runners  # recorded on first use, on padding
 
 
 @pytest.mark.parametrize("topk", [0, 8])

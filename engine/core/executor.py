@@ -87,7 +87,7 @@ class Executor:
             logits = torch.stack(rows)  # [R, 1, V]
         else:
             logits, feats = self.target.run(reqs, [c.tokens for c in chunks], last_only=True,
-                                            starts=[c.start for c in chunks], cached=[_cached(c) for c in chunks])
+                                            starts=[c.start for c in chunks])
         if self.draft is not None:
             for c, f in zip(chunks, feats):
                 ctx = self._context(c.req)
@@ -212,10 +212,3 @@ class Executor:
         size."""
         return -(-slots // self.target.block_size) <= len(blocks)
 
-
-def _cached(c: PrefillChunk) -> list[int] | None:
-    """The tokens before a first chunk that the prefix cache gave (None for a fresh prompt or a later chunk)."""
-    if not c.first or c.start == 0:
-        return None
-    return c.req.prompt_ids[:c.start] if c.start <= len(c.req.prompt_ids) else \
-        (c.req.prompt_ids + c.req.output_ids)[:c.start]

@@ -1,10 +1,12 @@
-"""CUDA graphs for the target's prefill of whole prompts (fresh ones, and those the prefix cache partly held,
-computed again from position 0), so that a prompt costs its device time instead of one host launch per kernel.
+"""CUDA graphs for the target's prefill of prompts, so that a prompt costs its device time instead of one host
+launch per kernel: fresh prompts from position 0, and the rest of a prompt whose start is cached already (the
+prefix cache's blocks, or the earlier chunks of a long prompt) over its cached keys.
 
-A prompt is padded at its end to a length bucket; under causal attention no real token sees the padding, whose
-K/V go to the trash slot. The graph returns the last real token's logits and every token's features. Several
-fresh prompts (up to MAX_PROMPTS) replay one graph each, one after another; more run eagerly as one batch. On CPU
-the same static path runs eagerly: that is what the CPU tests compare with the dynamic path.
+The new tokens are padded at their end to a length bucket; under causal attention no real token sees the padding,
+whose K/V go to the trash slot. A prompt with a cached start also has a context bucket (its keys: cached and new),
+and its start is an input of the graph. The graph returns the last real token's logits and every new token's
+features. Several prompts (up to MAX_PROMPTS) replay one graph each, one after another; more run eagerly as one
+batch. On CPU the same static path runs eagerly: that is what the CPU tests compare with the dynamic path.
 
 Graphs pay off while the prefill is launch-bound. An eager prefill costs about one host launch time per layer
 whatever its length (Qwen3-8B shapes on an H200: 26-28 ms up to 1000 tokens), a graph the device time of its padded
@@ -26,7 +28,7 @@ from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.models.config import ModelConfig
 
 from ..kv_cache import slots_of
-from .buckets import bucket
+from .buckets import GraphBuckets, bucket
 from .capture import capture_on_padding
 from .staging import Layout, Staging
 from .target_runner import TargetRunner
@@ -39,6 +41,12 @@ MAX_PROMPTS = 4  # fresh prompts prefilled one graph each; a larger batch runs e
 def prompt_layout(length: int, w: int) -> Layout:
     """A prompt padded to `length` tokens over a block table of width w."""
     return Layout(ids=length, slots=length, last=1, block_table=w)
+
+
+@lru_cache(maxsize=None)
+def context_layout(length: int, w: int) -> Layout:
+    """The rest of a prompt, padded to `length` tokens, after a cached start, over a block table of width w."""
+    return Layout(ids=length, slots=length, last=1, start=1, block_table=w)
 
 
 def layer_weights(config: ModelConfig) -> int:
@@ -55,17 +63,34 @@ class PromptGraphs:
         self.max_work = max_work  # padded tokens x one layer's weights
         self.capture_layers, self.device = capture_layers, cache.device
         self.capture = self.device.type == "cuda" if capture is None else capture
+        self.max_model_len = max_model_len
         top = bucket(max_model_len, PROMPT_BUCKETS) or PROMPT_BUCKETS[-1]
         self.lengths = tuple(n for n in PROMPT_BUCKETS if n <= top)
-        self.staging = Staging(prompt_layout(top, -(-top // block_size)).size, torch.int64, self.device)
+        contexts = GraphBuckets().context
+        top_context = bucket(max_model_len, contexts) or contexts[-1]
+        self.contexts = tuple(c for c in contexts if c <= top_context)  # keys a prompt with a cached start sees
+        self.staging = Staging(max(prompt_layout(top, self._width(top)).size,
+                                   context_layout(top, self._width(top_context)).size), torch.int64, self.device)
         self.layer_weights = layer_weights(runner.model.config)
-        self._runners: dict[int, Callable[[], tuple[Tensor, Tensor | None]]] = {}
+        # (length bucket, context bucket or 0 for a fresh prompt) -> its graph
+        self._runners: dict[tuple[int, int], Callable[[], tuple[Tensor, Tensor | None]]] = {}
         self._pool = None
 
+    def _width(self, slots: int) -> int:
+        return -(-slots // self.block_size)
+
+    def _shape(self, start: int, n: int) -> tuple[int, int] | None:
+        """(length bucket, context bucket; 0 for a fresh prompt) of n new tokens at positions start.., or None."""
+        length = bucket(n, self.lengths)
+        if length is None or start == 0:
+            return None if length is None else (length, 0)
+        context = bucket(start + length, self.contexts)
+        return None if context is None or start + length > self.max_model_len else (length, context)
+
     def takes(self, starts: list[int], lens: list[int]) -> bool:
-        """Whether run() takes these sequences: fresh prompts, few enough, each within the largest bucket, their
-        padded tokens launch-bound (`max_work`)."""
-        if not 0 < len(lens) <= MAX_PROMPTS or any(starts) or max(lens) > self.lengths[-1]:
+        """Whether run() takes these sequences: few enough, each within the buckets, their padded tokens
+        launch-bound (`max_work`)."""
+        if not 0 < len(lens) <= MAX_PROMPTS or any(self._shape(s, n) is None for s, n in zip(starts, lens)):
             return False
         return sum(bucket(n, self.lengths) for n in lens) * self.layer_weights <= self.max_work
 
@@ -76,54 +101,69 @@ class PromptGraphs:
 
     @torch.inference_mode()
     def warm_up(self) -> int:
-        """Record now, on padding, the graph of every bucket one prompt takes; -> how many (0 when not capturing)."""
-        lengths = [n for n in self.lengths if self.capture and self.takes([0], [n]) and n not in self._runners]
+        """Record now, on padding, the graph of every bucket one fresh prompt takes; -> how many (0 when not
+        capturing). Prompts with a cached start record theirs on first use."""
+        lengths = [n for n in self.lengths if self.capture and self.takes([0], [n]) and (n, 0) not in self._runners]
         for n in lengths:
-            self._runners[n] = self._build(n)
+            self._runners[n, 0] = self._build(n, 0)
         return len(lengths)
 
     @torch.inference_mode()
-    def run(self, block_tables: list[list[int]], prompts: list[list[int]], skip: list[int] | None = None
+    def run(self, block_tables: list[list[int]], tokens: list[list[int]], starts: list[int] | None = None
             ) -> tuple[Tensor, list[Tensor | None]]:
-        """Each prompt at positions 0.. of its blocks -> logits [R, 1, V] fp32 of its last token, and per prompt
-        its features [len - skip, F] (owned copies) past its first `skip` tokens, as TargetSide.run(...,
-        last_only=True) returns them."""
+        """Each token list at positions starts[b].. (default 0) of its blocks -> logits [R, 1, V] fp32 of its last
+        token, and per sequence its tokens' features [len, F] (owned copies), as TargetSide.run(..., last_only=True)
+        returns them."""
         logits, feats = [], []
-        for blocks, ids, first in zip(block_tables, prompts, skip or [0] * len(prompts)):
+        for blocks, ids, start in zip(block_tables, tokens, starts or [0] * len(tokens)):
             n = len(ids)
-            length = bucket(n, self.lengths)
-            w = -(-length // self.block_size)
+            length, context = self._shape(start, n)
+            w = self._width(context or length)
             table = blocks[:w] + [0] * (w - min(len(blocks), w))  # past the prompt: never attended
             pad = length - n
-            self.staging.upload(prompt_layout(length, w).pack(
-                ids=ids + [0] * pad, slots=slots_of(blocks, 0, n, self.block_size) + [self.trash] * pad, last=[n - 1],
-                block_table=table))
-            if length not in self._runners:
-                self._runners[length] = self._build(length)
-            row, f = self._runners[length]()
-            logits.append(row.clone() if len(prompts) > 1 else row)
-            feats.append(f[first:n].clone() if f is not None else None)
+            values = dict(ids=ids + [0] * pad, slots=slots_of(blocks, start, n, self.block_size) + [self.trash] * pad,
+                          last=[n - 1], block_table=table)
+            if context:
+                self.staging.upload(context_layout(length, w).pack(start=[start], **values))
+            else:
+                self.staging.upload(prompt_layout(length, w).pack(**values))
+            if (length, context) not in self._runners:
+                self._runners[length, context] = self._build(length, context)
+            row, f = self._runners[length, context]()
+            logits.append(row.clone() if len(tokens) > 1 else row)
+            feats.append(f[:n].clone() if f is not None else None)
         return (torch.cat(logits) if len(logits) > 1 else logits[0])[:, None], feats
 
-    def _build(self, length: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
-        w = -(-length // self.block_size)
-        layout = prompt_layout(length, w)
+    def _build(self, length: int, context: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
+        """The forward of `length` new tokens: a fresh prompt (context 0), or after a staged start whose keys,
+        cached and new, fit `context`."""
+        w = self._width(context or length)
+        layout = context_layout(length, w) if context else prompt_layout(length, w)
         v = layout.views(self.staging.dev)
         ids, last = v["ids"], v["last"]
-        positions = torch.arange(length, device=self.device)
-        meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, length], device=self.device),
-                                 seq_lens=torch.tensor([length], device=self.device), slot_mapping=v["slots"],
-                                 block_table=v["block_table"].view(1, w), max_query_len=length,
-                                 max_seq_len=length, causal=True, all_slots_valid=True, prompt_lens=(length,))
+        steps = torch.arange(length, device=self.device)
+        cu = torch.tensor([0, length], device=self.device)
 
         def forward() -> tuple[Tensor, Tensor | None]:
+            if context:
+                start = v["start"]
+                meta = AttentionMetadata(cu_seqlens_q=cu, seq_lens=start + length, slot_mapping=v["slots"],
+                                         block_table=v["block_table"].view(1, w), max_query_len=length,
+                                         max_seq_len=context, causal=True, all_slots_valid=True)
+                positions = start + steps
+            else:
+                meta = AttentionMetadata(cu_seqlens_q=cu, seq_lens=cu[1:], slot_mapping=v["slots"],
+                                         block_table=v["block_table"].view(1, w), max_query_len=length,
+                                         max_seq_len=length, causal=True, all_slots_valid=True,
+                                         prompt_lens=(length,))
+                positions = steps
             hidden, feats = self.runner.forward(ids, positions, meta, self.cache, capture_layers=self.capture_layers)
             return self.runner.compute_logits(hidden.index_select(0, last)), feats  # [1, V], [length, F]
         if not self.capture:
             return forward
+        pad = dict(ids=[0] * length, slots=[self.trash] * length, last=[0], block_table=[0] * w)
         replay, self._pool, self.capture = capture_on_padding(
             forward, self._pool, [self.staging.dev[:layout.size]],
-            lambda: self.staging.upload(layout.pack(ids=[0] * length, slots=[self.trash] * length, last=[0],
-                                                    block_table=[0] * w)),
-            f" for a prompt of {length} tokens")
+            lambda: self.staging.upload(layout.pack(**(dict(start=[0], **pad) if context else pad))),
+            f" for a prompt of {length} tokens" + (f" in a context of {context}" if context else ""))
         return replay
