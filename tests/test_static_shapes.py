@@ -259,9 +259,9 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
     side.use_static_shapes(3, max_model_len=300, capture=True)
     dside.use_static_shapes(max_model_len=300, capture=True)
     side.prompts.max_work = 96 * side.prompts.layer_weights  # one prompt of <= 96 tokens
-    assert side.warm_up() == 3 * 2 + 4 and dside.warm_up() == 2 * 2 and len(pools) == 14
+    assert side.warm_up() == 3 * 2 + 4 + 8 and dside.warm_up() == 2 * 2 and len(pools) == 22
     assert set(side.graphs._runners) == {(1, t, c, False) for t in (1, 2, 4) for c in (256, 304)}
-    assert set(side.prompts._runners) == {(n, 0) for n in (32, 48, 64, 96)}  # of the buckets up to 384
+    assert set(side.prompts._runners) == {(n, c) for n in (32, 48, 64, 96) for c in (0, 256, 512)}  # fresh: <= 384
     assert set(dside.graphs._runners) == {(1, c, q) for c in dside.graphs.buckets.context for q in (False, True)}
     assert side.warm_up() == 0 and dside.warm_up() == 0  # nothing left to record
 
@@ -278,13 +278,13 @@ def test_warm_up_records_batch_one_graphs_on_padding(monkeypatch):
                          features=prefill[1][0], block_table=torch.tensor([table]),
                          temperature=torch.tensor([0.8]), seeds=torch.tensor([5]))
         outs.append((prefill[0], verify, ds.propose(inp)))
-    assert len(pools) == 14  # the requests replayed what warm-up recorded
+    assert len(pools) == 22  # the requests replayed what warm-up recorded
     (pa, va, da), (pb, vb, db) = outs
     torch.testing.assert_close(pb, pa, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(vb, va, atol=1e-5, rtol=1e-5)
     assert torch.equal(da.tokens, db.tokens)
     side.run(_requests(side, [prompt]), [prompt[16:]], last_only=True, starts=[16])  # after a cached start
-    assert len(pools) == 15 and (32, 256) in side.prompts._runners  # recorded on first use, on padding
+    assert len(pools) == 22  # recorded at warm-up, on padding
 
 
 @pytest.mark.parametrize("topk", [0, 8])

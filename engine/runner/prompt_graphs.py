@@ -28,13 +28,14 @@ from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.models.config import ModelConfig
 
 from ..kv_cache import slots_of
-from .buckets import GraphBuckets, bucket
+from .buckets import WARM_CONTEXT, GraphBuckets, bucket
 from .capture import capture_on_padding
 from .staging import Layout, Staging
 from .target_runner import TargetRunner
 
 PROMPT_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # padding wastes < 1.5x
-MAX_PROMPTS = 4  # fresh prompts prefilled one graph each; a larger batch runs eagerly at once
+MAX_PROMPTS = 4  # prompts prefilled one graph each; a larger batch runs eagerly at once
+WARM_QUERY = 128  # new tokens after a cached start whose graphs warm_up records
 
 
 @lru_cache(maxsize=None)
@@ -101,12 +102,16 @@ class PromptGraphs:
 
     @torch.inference_mode()
     def warm_up(self) -> int:
-        """Record now, on padding, the graph of every bucket one fresh prompt takes; -> how many (0 when not
-        capturing). Prompts with a cached start record theirs on first use."""
-        lengths = [n for n in self.lengths if self.capture and self.takes([0], [n]) and (n, 0) not in self._runners]
-        for n in lengths:
-            self._runners[n, 0] = self._build(n, 0)
-        return len(lengths)
+        """Record now, on padding, the graph of every bucket one fresh prompt takes, and those of up to WARM_QUERY
+        new tokens after a cached start in contexts up to WARM_CONTEXT (a chat turn after its cached history);
+        -> how many (0 when not capturing). Other shapes record theirs on first use."""
+        shapes = [(n, 0) for n in self.lengths if self.takes([0], [n])] + \
+            [(n, c) for n in self.lengths if n <= WARM_QUERY and self.takes([0], [n])
+             for c in self.contexts if n < c <= WARM_CONTEXT]
+        shapes = [k for k in shapes if self.capture and k not in self._runners]
+        for k in shapes:
+            self._runners[k] = self._build(*k)
+        return len(shapes)
 
     @torch.inference_mode()
     def run(self, block_tables: list[list[int]], tokens: list[list[int]], starts: list[int] | None = None
