@@ -8,6 +8,7 @@ stops it:
                 1/replicas share of the one GPU (num_gpus) and --num-kv-blocks, behind the project's prefix-affinity
                 request router (cluster/prefix_router.py)
   serve-pow2    the same with Serve's default router
+  engine        the in-process engine (LLM, prefix caching on), the same conversations: what the served path adds
 
 N conversations of T turns share one system prompt of about S tokens (held-out prose, sized with the target's
 tokenizer); each asks its own held-out code prompts, one a turn, and turn t's prompt is the system prompt, every
@@ -20,7 +21,8 @@ prompt cached, and requests per replica. --rounds alternates the configurations;
 
 usage: python bench/bench_chat.py [--target DIR] [--draft DIR] [--conversations 64] [--turns 4]
                                   [--system-tokens 1500] [--max-tokens 64] [--concurrency C]
-                                  [--layouts cache nocache | serve-prefix serve-pow2] [--rounds 2] [--json OUT]
+                                  [--layouts engine cache nocache | serve-prefix serve-pow2] [--rounds 2]
+                                  [--json OUT]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from bench_service import BENCH, ROOT, drain, start_server, start_serve, stop
 
 PREFIX_FLAGS = {"cache": ["--enable-prefix-caching"], "nocache": ["--no-enable-prefix-caching"]}
 ROUTERS = {"serve-prefix": {"seed": 0}, "serve-pow2": "power_of_two"}  # the Serve app's `router` arg
-COMPARED = (("nocache", "cache"), ("serve-pow2", "serve-prefix"))  # (baseline, configuration) in the ratios
+COMPARED = (("nocache", "cache"), ("serve-pow2", "serve-prefix"), ("cache", "engine"))  # (baseline, configuration) in the ratios
 
 
 # -- the conversations ---------------------------------------------------------------------------------------------
@@ -143,6 +145,59 @@ async def run_conversations(address: str, application: str | None, convs: list[t
                 return await conversation(stub, index, questions, system, template, max_tokens, metadata, header)
 
         return [r for rs in await asyncio.gather(*(one(*c) for c in convs)) for r in rs]
+
+
+def engine_conversations(llm, convs: list[tuple[int, list[str]]], concurrency: int, system: str | None, template,
+                         max_tokens: int) -> list[dict]:
+    """The conversations through the in-process engine, `concurrency` at once, each turn added when the previous
+    reply ended; -> the records of all their turns (as the served client's)."""
+    from dspark_serve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    todo, live, records = list(convs), {}, []
+
+    def start(index: int, questions: list[str], turn: int, messages: list[dict]) -> None:
+        messages.append({"role": "user", "content": questions[turn]})
+        t0 = time.monotonic()
+        rid = llm.add_request(render(template, messages), params)
+        live[rid] = (index, questions, turn, messages, {"t0": t0, "t_first": None})
+
+    while todo or live:
+        while todo and len(live) < concurrency:
+            index, questions = todo.pop(0)
+            start(index, questions, 0, [{"role": "system", "content": system}] if system is not None else [])
+        for out in llm.step():
+            if out.request_id not in live:
+                continue
+            index, questions, turn, messages, rec = live[out.request_id]
+            if out.new_token_ids and rec["t_first"] is None:
+                rec["t_first"] = time.monotonic()
+            if out.finished:
+                del live[out.request_id]
+                rec.update(t_end=time.monotonic(), tokens=len(out.token_ids), prompt_tokens=len(out.prompt_ids),
+                           cached_tokens=out.stats.get("cached_tokens", 0), replica=None, steps=out.stats["steps"])
+                records.append({"conversation": index, "turn": turn, **rec})
+                if turn + 1 < len(questions):
+                    messages.append({"role": "assistant", "content": out.text})
+                    start(index, questions, turn + 1, messages)
+    return records
+
+
+def engine_run(args: argparse.Namespace, convs: list, system: str, template) -> tuple[list[dict], float]:
+    """The engine layout: an LLM with the servers' options, warmed up as they are, then the conversations."""
+    import torch
+
+    from dspark_serve.engine.llm import LLM
+
+    llm = LLM(args.target, args.draft, json.loads(args.speculative_config), device=args.device or "auto",
+              max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
+    warm = [(-1 - i, qs[:1]) for i, qs in conversations(args.warmup, 1)]
+    engine_conversations(llm, warm, len(warm) or 1, None, template, args.max_tokens)
+    records = engine_conversations(llm, convs, args.concurrency, system, template, args.max_tokens)
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return records, wall_s(records)
 
 
 def _client_proc(ready, out, *run_args) -> None:
@@ -328,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--system-tokens", type=int, default=1500, help="the shared system prompt's length, about")
     ap.add_argument("--max-tokens", type=int, default=64, help="each reply's length")
     ap.add_argument("--concurrency", type=int, help="conversations at once (default: all)")
-    ap.add_argument("--layouts", nargs="+", default=["cache", "nocache"], choices=[*PREFIX_FLAGS, *ROUTERS])
+    ap.add_argument("--layouts", nargs="+", default=["cache", "nocache"], choices=["engine", *PREFIX_FLAGS, *ROUTERS])
     ap.add_argument("--rounds", type=int, default=1, help="each layout this often, alternating")
     ap.add_argument("--replicas", type=int, default=2, help="Serve replicas, sharing the one GPU")
     ap.add_argument("--num-kv-blocks", type=int, default=16384, help="per server or replica")
@@ -359,6 +414,12 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
             for layout in args.layouts:
+                if layout == "engine":
+                    records, wall = engine_run(args, convs, system, template)
+                    rows.append({"layout": layout, "round": rnd, **summarize(records, wall), "records": records})
+                    print(_line(rows[-1]), flush=True)
+                    save()
+                    continue
                 t0 = time.monotonic()
                 proc, address, application, header = start(args, layout, Path(tmp))
                 log = drain(proc)
