@@ -4,8 +4,10 @@ Same semantics as `attention.paged_attention` (the reference). One program per (
 split): its rows are the request's query tokens times the G query heads sharing that kv head, row r = i * G + g
 (query i, head kv_head * G + g), padded to a power of two >= 16, so GQA groups that are not powers of two (Qwen2.5's
 7) cost only padding. The program walks its keys in BLOCK_N tiles, gathering cache slots through the block table,
-with fp32 online softmax (exp2) and tl.dot for QK^T and PV. Key 0 is always visible, as in the reference (padded
-rows, and the capture-time padding with seq_len < query_len, stay finite).
+with fp32 online softmax (exp2) and tl.dot for QK^T and PV; under causal attention it stops at its last query's
+position, and a tile past its request's query walks none. Key 0 is always visible, as in the reference (padded rows,
+and the capture-time padding with seq_len < query_len, stay finite). Queries of any length: decode, verify and draft
+blocks (up to MAX_QUERY_LEN tokens a request), and the rest of a prompt after its cached start.
 
 Long contexts with too few programs split each request's keys into SPLIT even chunks; partial outputs and their
 log-sum-exps go to fp32 scratch and a second small kernel combines them. No host syncs, every size comes from
@@ -23,7 +25,7 @@ from . import pdl
 from .attention import AttentionMetadata
 from .pdl import pdl_prologue
 
-MAX_QUERY_LEN = 16
+MAX_QUERY_LEN = 16  # decode, verify and draft-block queries; longer ones are prompt chunks
 _LOG2E = 1.4426950408889634
 
 
@@ -88,6 +90,10 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_pt
         chunk = tl.cdiv(tl.cdiv(n_keys, SPLIT), BLOCK_N) * BLOCK_N
         lo = sid * chunk
         hi = tl.minimum(lo + chunk, n_keys)
+    i_last = tl.minimum(q_len - 1, (mt * BLOCK_M + BLOCK_M - 1) // G)       # the tile's last query
+    if CAUSAL:                                                                 # no later key is visible to it
+        hi = tl.minimum(hi, tl.maximum(seq_len - q_len + i_last + 1, 1))
+    hi = tl.where((mt * BLOCK_M) // G < q_len, hi, lo)                         # a tile past the query: no keys
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
@@ -159,8 +165,8 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata)
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {kv}")
     if bs & (bs - 1):
         raise ValueError(f"block_size must be a power of two, got {bs}")
-    if not 1 <= meta.max_query_len <= MAX_QUERY_LEN:
-        raise ValueError(f"paged_attention_triton handles max_query_len <= {MAX_QUERY_LEN}, got {meta.max_query_len}")
+    if meta.max_query_len < 1:
+        raise ValueError(f"max_query_len must be >= 1, got {meta.max_query_len}")
     for c in (k_cache, v_cache):
         if c.stride(3) != 1 or c.stride(0) != bs * c.stride(1):
             raise ValueError("the cache's (block, offset) dims must flatten to slots and head_dim be contiguous")

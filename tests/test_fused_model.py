@@ -27,11 +27,12 @@ else:
     from dspark_serve.models.qwen import QwenForCausalLM
     from dspark_serve.models.random_init import _randomize, tiny_pair, tiny_target_config
 
-    TABLES = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]  # block size 8: 40 slots per request
-    STEPS = [([0, 0], [20, 5]), ([20, 5], [1, 1]), ([21, 6], [8, 3])]  # prefill (prompt SDPA), decode, verify
+    TABLES = [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]]  # block size 8: 56 slots per request
+    # prefill (prompt SDPA), decode, verify, the rest of two prompts after their cached starts (paged attention)
+    STEPS = [([0, 0], [20, 5]), ([20, 5], [1, 1]), ([21, 6], [8, 3]), ([29, 9], [18, 17])]
 
     def _steps(model, forward) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cache = model.allocate_kv_cache(10, 8)
+        cache = model.allocate_kv_cache(14, 8)
         g, out = torch.Generator().manual_seed(0), []
         with torch.inference_mode():
             for starts, lens in STEPS:
@@ -62,7 +63,7 @@ else:
             for (h, f), (h_ref, f_ref) in zip(_steps(model, runs.forward), want):
                 torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
                 torch.testing.assert_close(f, f_ref, rtol=1e-4, atol=1e-4)
-        assert len(calls) == 2 * 3  # decode and verify on every layer
+        assert len(calls) == 3 * 3  # decode, verify and the prompts' rests on every layer
         assert len(prompts) == 3  # the 20-token prefill of fresh prompts on every layer
 
     def test_draft_context_write_fast_path_equals_reference():

@@ -49,12 +49,12 @@ def test_qk_norm_rotary_compiles(monkeypatch, store, norm, d):
 
 @pytest.mark.parametrize("splits", [1, 8])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,group,q_len", [(64, 7, 8), (128, 4, 1)])
+@pytest.mark.parametrize("d,group,q_len", [(64, 7, 8), (128, 4, 1), (64, 7, 48)])  # 48: a prompt chunk
 def test_paged_attention_compiles(monkeypatch, splits, causal, d, group, q_len):
     reqs, kv, bs = 2, 2, 16
     q = torch.randn(reqs * q_len, kv * group, d).bfloat16()
     k_cache = v_cache = torch.zeros(9, bs, kv, d).bfloat16()
-    meta = AttentionMetadata(cu_seqlens_q=torch.arange(reqs + 1) * q_len, seq_lens=torch.tensor([40, 64]),
+    meta = AttentionMetadata(cu_seqlens_q=torch.arange(reqs + 1) * q_len, seq_lens=torch.tensor([max(40, q_len), 64]),
                              slot_mapping=torch.zeros(reqs * q_len, dtype=torch.int64),
                              block_table=torch.arange(8).view(2, 4), max_query_len=q_len, max_seq_len=64,
                              causal=causal, all_slots_valid=True)

@@ -85,10 +85,17 @@ else:
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), ref, rtol=2 ** -6, atol=2 ** -7)
 
+    @pytest.mark.parametrize("cfg", [None, AttentionConfig(32, 16, num_splits=1), AttentionConfig(16, 32, num_splits=3)])
+    def test_prompt_chunks_after_a_cached_start(cfg):
+        # the rest of a prompt over its cached keys (40 and 3 cached, one fresh), beside a decode row: causal tiles
+        # stop at their last query's position, tiles past a short query walk no keys
+        _check(*_case([37, 20, 1, 24], [77, 23, 90, 24], 14, 2, 64, block_size=8), config=cfg)
+
+    def test_capture_padding_of_a_long_query():
+        # a prompt graph replayed on padding: seq_len below the query length, only key 0 visible
+        _check(*_case([40, 33], [2, 60], 4, 2, 64, block_size=8))
+
     def test_rejects_unsupported_shapes():
-        q, k, v, meta = _case([17], [20], 4, 2, 64, block_size=8)
-        with pytest.raises(ValueError):
-            paged_attention_triton(q, k, v, meta, 0.125)
         q, k, v, meta = _case([2], [20], 4, 3, 64, block_size=8)
         with pytest.raises(ValueError):
             paged_attention_triton(q, k, v, meta, 0.125)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from dspark_serve.kernels.attention import AttentionMetadata, paged_attention, prompt_attention
+from dspark_serve.kernels.attention import AttentionMetadata, prompt_attention
 from dspark_serve.kernels.config import KernelConfig, active
 from dspark_serve.models.layers import MLP, AttentionProjections, RMSNorm
 from dspark_serve.models.nvfp4_linear import NVFP4Linear
@@ -23,7 +23,8 @@ from .nvfp4_stack import NVFP4Stack
 if TYPE_CHECKING:
     from dspark_serve.kernels.gemv_bf16 import Norm
 
-MAX_TRITON_QUERY = 16  # = paged_attention_triton.MAX_QUERY_LEN (not imported here: Triton is optional)
+MAX_TRITON_QUERY = 16  # = paged_attention_triton.MAX_QUERY_LEN (not imported here: Triton is optional): longer
+# fresh prompts attend with one SDPA
 
 
 @dataclass
@@ -176,15 +177,13 @@ def fused_stack(layers: list[FusedLayer]) -> LayerStack:
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
-    """The Triton paged attention for decode/verify/draft-block queries (<= 16 per sequence), SDPA over fresh
-    prompts (KernelConfig.prompt_sdpa), else the reference."""
-    if meta.max_query_len <= MAX_TRITON_QUERY:
-        from dspark_serve.kernels.paged_attention_triton import paged_attention_triton
-
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    if meta.prompt_lens and active().prompt_sdpa:
+    """One SDPA over fresh prompts of more than 16 tokens (KernelConfig.prompt_sdpa); else the Triton paged
+    attention: decode, verify and draft-block queries, and prompts after a cached start (over their cached keys)."""
+    if meta.max_query_len > MAX_TRITON_QUERY and meta.prompt_lens and active().prompt_sdpa:
         return prompt_attention(q, k_cache, v_cache, meta, scale)
-    return paged_attention(q, k_cache, v_cache, meta, scale)
+    from dspark_serve.kernels.paged_attention_triton import paged_attention_triton
+
+    return paged_attention_triton(q, k_cache, v_cache, meta, scale)
 
 
 def keep_tile_major(layers: nn.ModuleList, kernels: KernelConfig) -> bool:

@@ -51,6 +51,7 @@ CASES = {  # (q_lens, seq_lens, heads, kv_heads, head_dim, block_size, causal)
     "draft-block": ([8] * 4, [8, 40, 333, 1200], 32, 8, 128, 16, False),
     "mixed": ([3, 1, 8, 16], [3, 90, 400, 16], 16, 2, 128, 8, True),
     "long-single": ([1], [16000], 32, 8, 128, 16, True),
+    "prompt-after-cache": ([100, 37, 1, 200], [1600, 60, 500, 200], 14, 2, 64, 16, True),
 }
 
 
