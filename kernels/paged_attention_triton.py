@@ -58,13 +58,13 @@ def default_attention_config(num_reqs: int, num_kv_heads: int, group: int, head_
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_ptr, lse_ptr,
                             stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, W,
-                            stride_os, stride_ot, stride_oh, stride_ls, stride_lt, max_seq_len, qk_scale,
-                            G: tl.constexpr, MAXQ: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_TILES: tl.constexpr,
+                            stride_os, stride_ot, stride_oh, stride_ls, stride_lt, max_seq_len, qk_scale, m_tiles,
+                            G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             SPLIT: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     b, pid1, sid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    h, mt = pid1 // M_TILES, pid1 % M_TILES
+    h, mt = pid1 // m_tiles, pid1 % m_tiles  # runtime ints: a prompt's length does not compile a new kernel
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
     seq_len = tl.load(seq_ptr + b)
@@ -73,7 +73,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_pt
 
     r = mt * BLOCK_M + tl.arange(0, BLOCK_M)                                   # [BM] row = i * G + g
     i = r // G
-    row_ok = (r < MAXQ * G) & (i < q_len)
+    row_ok = i < q_len
     tok = q_start + i                                                          # [BM] flat token
     head = h * G + r % G                                                       # [BM] query head
     q_pos = seq_len - q_len + i                                                # [BM] position of query i
@@ -207,9 +207,8 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: At
         q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, bt, dst, lse,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         bt.stride(0), bt.shape[1], dst.stride(0) if split > 1 else 0, dst.stride(-3), dst.stride(-2), *lse_strides,
-        meta.max_seq_len, float(scale) * _LOG2E,
-        G=group, MAXQ=meta.max_query_len, BS=block_size, D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        M_TILES=m_tiles, SPLIT=split, CAUSAL=bool(meta.causal), DOT_F32=not q.is_cuda or q.dtype == torch.float32,
+        meta.max_seq_len, float(scale) * _LOG2E, m_tiles,
+        G=group, BS=block_size, D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=split, CAUSAL=bool(meta.causal), DOT_F32=not q.is_cuda or q.dtype == torch.float32,
         PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
     if split > 1:
         _combine_kernel[(num_tokens, num_heads)](part, lse, out, part.stride(0), part.stride(1), lse.stride(0),
