@@ -1,6 +1,6 @@
-"""bench/bench_chat.py on the tiny pair for seconds: two conversations of two turns through `dspark-serve serve`,
-the prefix cache on and off; with it on, every follow-up turn finds at least half of its prompt cached, without it
-none."""
+"""bench/bench_chat.py on the tiny pair for seconds: two conversations of two turns through the in-process engine and
+through `dspark-serve serve` with the prefix cache on and off; with it on, every follow-up turn finds at least half
+of its prompt cached, without it none."""
 
 import json
 
@@ -24,14 +24,15 @@ def test_bench_chat_reports_prefix_cache_hits(tmp_path, monkeypatch):
     bench_chat.main(["--target", str(target), "--draft", str(draft), "--speculative-config", "{}", "--device", "cpu",
                      "--conversations", "2", "--turns", "2", "--system-tokens", "128", "--max-tokens", "4",
                      "--num-kv-blocks", "256", "--max-model-len", "1024", "--warmup", "1", "--client-procs", "1",
-                     "--json", str(out)])
+                     "--layouts", "engine", "cache", "nocache", "--json", str(out)])
     r = json.loads(out.read_text())
     rows = {row["layout"]: row for row in r["rows"]}
     assert r["chat_template"].endswith("tokenizer_config.json") and r["system_tokens"] >= 128
     for row in rows.values():
         assert row["requests"] == 4 and row["errors"] == 0 and row["output_tokens"] == 16, row
     assert rows["nocache"]["hit_rate"] == 0 and rows["cache"]["hit_rate"] > 0
-    follow_ups = [t for t in rows["cache"]["records"] if t["turn"] == 1]
-    assert len(follow_ups) == 2 and all(2 * t["cached_tokens"] >= t["prompt_tokens"] for t in follow_ups)
-    assert rows["cache"]["follow_ups_half_cached"] == 1.0
-    assert [(s["baseline"], s["layout"]) for s in r["summary"]] == [("nocache", "cache")]
+    for layout in ("cache", "engine"):
+        follow_ups = [t for t in rows[layout]["records"] if t["turn"] == 1]
+        assert len(follow_ups) == 2 and all(2 * t["cached_tokens"] >= t["prompt_tokens"] for t in follow_ups)
+        assert rows[layout]["follow_ups_half_cached"] == 1.0
+    assert [(s["baseline"], s["layout"]) for s in r["summary"]] == [("nocache", "cache"), ("cache", "engine")]
