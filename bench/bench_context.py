@@ -101,9 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for b in args.batches:
         for length in args.contexts:
+            shared = min(args.shared_prefix, length - 1)
             for name, llm in engines.items():
-                timed(llm, prompts(b, length, 1, min(args.shared_prefix, length - 1)), args.tokens)  # warm-up: the buckets this shape meets
-                r = timed(llm, prompts(b, length, 2, min(args.shared_prefix, length - 1)), args.tokens)
+                timed(llm, prompts(b, length, 1, shared), args.tokens)  # warm-up: the buckets this shape meets
+                r = timed(llm, prompts(b, length, 2, shared), args.tokens)
                 rows.append({"mode": name, "batch": b, "context": length, **r})
                 print(f"{name:>5} b={b:<3} L={length:<5} first tokens {r['first_tokens_ms']:8.1f} ms  decode "
                       f"{r['decode_ms_per_step']:7.2f} ms/step (max {r['decode_ms_max']:7.2f}, "
@@ -112,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
               "shared_prefix": args.shared_prefix, "rows": rows}
     if args.kernels and args.device == "cuda":
         for name, llm in engines.items():
-            table = kernel_table(llm, prompts(top, max(args.contexts), 3, args.shared_prefix), args.tokens, args.kernels)
+            batch = prompts(top, max(args.contexts), 3, args.shared_prefix)
+            table = kernel_table(llm, batch, args.tokens, args.kernels)
             result[f"kernels_{name}"] = table
             print(f"\n{name}, b={top}, L={max(args.contexts)}:\n{table}", flush=True)
     if args.json:

@@ -7,7 +7,7 @@ split): its rows are the request's query tokens times the G query heads sharing 
 with fp32 online softmax (exp2) and tl.dot for QK^T and PV; under causal attention it stops at its last query's
 position, and a tile past its request's query walks none. Key 0 is always visible, as in the reference (padded rows,
 and the capture-time padding with seq_len < query_len, stay finite). Queries of any length: decode, verify and draft
-blocks (up to MAX_QUERY_LEN tokens a request), and the rest of a prompt after its cached start.
+blocks, and the rest of a prompt after its cached start.
 
 Long contexts with too few programs split each request's keys into SPLIT even chunks; partial outputs and their
 log-sum-exps go to fp32 scratch and a second small kernel combines them. No host syncs, every size comes from
@@ -25,7 +25,6 @@ from . import pdl
 from .attention import AttentionMetadata
 from .pdl import pdl_prologue
 
-MAX_QUERY_LEN = 16  # decode, verify and draft-block queries; longer ones are prompt chunks
 _LOG2E = 1.4426950408889634
 
 
@@ -208,8 +207,9 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: At
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         bt.stride(0), bt.shape[1], dst.stride(0) if split > 1 else 0, dst.stride(-3), dst.stride(-2), *lse_strides,
         meta.max_seq_len, float(scale) * _LOG2E, m_tiles,
-        G=group, BS=block_size, D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=split, CAUSAL=bool(meta.causal), DOT_F32=not q.is_cuda or q.dtype == torch.float32,
-        PDL=on, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
+        G=group, BS=block_size, D=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=split,
+        CAUSAL=bool(meta.causal), DOT_F32=not q.is_cuda or q.dtype == torch.float32, PDL=on,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
     if split > 1:
         _combine_kernel[(num_tokens, num_heads)](part, lse, out, part.stride(0), part.stride(1), lse.stride(0),
                                                  lse.stride(1), out.stride(0), H=num_heads, D=head_dim, SPLIT=split,

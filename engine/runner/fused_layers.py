@@ -23,8 +23,7 @@ from .nvfp4_stack import NVFP4Stack
 if TYPE_CHECKING:
     from dspark_serve.kernels.gemv_bf16 import Norm
 
-MAX_TRITON_QUERY = 16  # = paged_attention_triton.MAX_QUERY_LEN (not imported here: Triton is optional): longer
-# fresh prompts attend with one SDPA
+MAX_TRITON_QUERY = 16  # fresh prompts longer than this attend with one SDPA, the rest with the paged kernel
 
 
 @dataclass
