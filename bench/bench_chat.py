@@ -15,7 +15,8 @@ tokenizer); each asks its own held-out code prompts, one a turn, and turn t's pr
 earlier question with the reply the server gave, and the new question, rendered with the target's chat template
 (ChatML when it has none). c conversations run at once, each turn sent when the previous reply ended; greedy,
 speculative, each reply --max-tokens long (ignore_eos). Reported per configuration: TTFT p50/p99 over all turns and
-over follow-ups (t >= 1), output tokens/s (all output tokens / wall time), requests, errors, the prefix-cache hit
+over follow-ups (t >= 1), the same from the step loop's view (from its receiving a request: what the engine spends),
+tokens per verify step, output tokens/s (all output tokens / wall time), requests, errors, the prefix-cache hit
 rate (cached / prompt tokens, as the server reports them), the share of follow-ups with at least half of their
 prompt cached, and requests per replica. --rounds alternates the configurations; --json is written after each.
 
@@ -105,7 +106,8 @@ async def _turn(stub, prompt: str, metadata: tuple, max_tokens: int, header: str
             else:
                 c = msg.complete
                 rec.update(t_end=time.monotonic(), tokens=len(c.output_ids), prompt_tokens=c.num_prompt_tokens,
-                           cached_tokens=c.stats.cached_tokens, text=c.text)
+                           cached_tokens=c.stats.cached_tokens, text=c.text, steps=c.stats.num_spec_steps,
+                           queue_ms=c.stats.queue_ms, engine_ttft_ms=c.stats.first_token_ms)
         rec["replica"] = dict(await call.trailing_metadata() or ()).get(header) if header else None
     except grpc.aio.AioRpcError as e:
         return {"error": f"{e.code().name}: {e.details()}"}
@@ -174,8 +176,10 @@ def engine_conversations(llm, convs: list[tuple[int, list[str]]], concurrency: i
                 rec["t_first"] = time.monotonic()
             if out.finished:
                 del live[out.request_id]
+                st = out.stats
                 rec.update(t_end=time.monotonic(), tokens=len(out.token_ids), prompt_tokens=len(out.prompt_ids),
-                           cached_tokens=out.stats.get("cached_tokens", 0), replica=None, steps=out.stats["steps"])
+                           cached_tokens=st["cached_tokens"], replica=None, steps=st["steps"],
+                           queue_ms=st["queue_ms"], engine_ttft_ms=st["first_token_ms"])
                 records.append({"conversation": index, "turn": turn, **rec})
                 if turn + 1 < len(questions):
                     messages.append({"role": "assistant", "content": out.text})
@@ -252,6 +256,11 @@ def summarize(records: list[dict], wall: float) -> dict:
             "tok_s": tokens / wall if ok else 0.0,
             "ttft_ms_p50": pct(ttft(ok), 0.5), "ttft_ms_p99": pct(ttft(ok), 0.99),
             "follow_up_ttft_ms_p50": pct(ttft(follow), 0.5), "follow_up_ttft_ms_p99": pct(ttft(follow), 0.99),
+            # the step loop's own view: from its receiving a request to admitting it, and to its first token
+            "engine_queue_ms_p50": pct(sorted(r["queue_ms"] for r in ok), 0.5),
+            "engine_ttft_ms_p50": pct(sorted(r["engine_ttft_ms"] for r in ok), 0.5),
+            "engine_ttft_ms_p99": pct(sorted(r["engine_ttft_ms"] for r in ok), 0.99),
+            "tokens_per_step": tokens / max(1, sum(r["steps"] for r in ok)),
             "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / max(prompt, 1),
             "follow_ups_half_cached": sum(2 * r["cached_tokens"] >= r["prompt_tokens"] for r in follow)
             / max(len(follow), 1),
@@ -335,7 +344,9 @@ def wait_for_replicas(address: str, header: str, replicas: int, timeout_s: float
 def _line(r: dict) -> str:
     return (f"{r['layout']:>12} round {r['round']}  TTFT p50 {r['ttft_ms_p50']:8.1f} p99 {r['ttft_ms_p99']:8.1f} ms  "
             f"follow-ups p50 {r['follow_up_ttft_ms_p50']:8.1f} p99 {r['follow_up_ttft_ms_p99']:8.1f} ms  "
-            f"{r['tok_s']:8.1f} tok/s  hit rate {r['hit_rate']:6.1%}  follow-ups >= half cached "
+            f"step loop TTFT p50 {r['engine_ttft_ms_p50']:8.1f} p99 {r['engine_ttft_ms_p99']:8.1f} ms  "
+            f"{r['tok_s']:8.1f} tok/s  {r['tokens_per_step']:.2f} tok/step  hit rate {r['hit_rate']:6.1%}  "
+            f"follow-ups >= half cached "
             f"{r['follow_ups_half_cached']:6.1%}  requests {r['requests']} errors {r['errors']}  "
             f"replicas {sorted(r['per_replica'].values(), reverse=True)}")
 

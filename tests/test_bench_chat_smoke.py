@@ -30,6 +30,9 @@ def test_bench_chat_reports_prefix_cache_hits(tmp_path, monkeypatch):
     assert r["chat_template"].endswith("tokenizer_config.json") and r["system_tokens"] >= 128
     for row in rows.values():
         assert row["requests"] == 4 and row["errors"] == 0 and row["output_tokens"] == 16, row
+        assert row["tokens_per_step"] >= 1.0
+        for t in row["records"]:  # the step loop's time to a first token lies within the client's
+            assert 0 < t["engine_ttft_ms"] <= 1e3 * (t["t_first"] - t["t0"]) + 0.01, t
     assert rows["nocache"]["hit_rate"] == 0 and rows["cache"]["hit_rate"] > 0
     for layout in ("cache", "engine"):
         follow_ups = [t for t in rows[layout]["records"] if t["turn"] == 1]
