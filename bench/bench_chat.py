@@ -41,7 +41,8 @@ from bench_service import BENCH, ROOT, drain, start_server, start_serve, stop
 
 PREFIX_FLAGS = {"cache": ["--enable-prefix-caching"], "nocache": ["--no-enable-prefix-caching"]}
 ROUTERS = {"serve-prefix": {"seed": 0}, "serve-pow2": "power_of_two"}  # the Serve app's `router` arg
-COMPARED = (("nocache", "cache"), ("serve-pow2", "serve-prefix"), ("cache", "engine"))  # (baseline, configuration) in the ratios
+# (baseline, configuration) in the ratios
+COMPARED = (("nocache", "cache"), ("serve-pow2", "serve-prefix"), ("cache", "engine"))
 
 
 # -- the conversations ---------------------------------------------------------------------------------------------
