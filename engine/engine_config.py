@@ -47,8 +47,9 @@ class EngineConfig:
     kernels: KernelConfig | None = None  # None: KernelConfig.for_device(the engine's device)
     step_costs: StepCosts | None = None  # the policy's step costs; None: measured when the engine starts
     enable_prefix_caching: bool = True  # full KV blocks shared between requests by the hash of their prefix
-    deterministic: bool = False  # every target row computed on its own (engine/runner/row_order.py) and sampled
-    # tokens coupled by their keyed noise: a request's tokens do not depend on its batch or on speculation
+    deterministic: bool = False  # every target row computed as it would be alone (the batch-invariant kernels, or
+    # one row at a time without Triton) and sampled tokens coupled by their keyed noise: a request's tokens do not
+    # depend on its batch or on speculation
 
     def validate(self) -> None:
         """ValueError naming the field; the limits that need the loaded models (max_model_len against the target,

@@ -132,7 +132,7 @@ class LLM:
         self.max_model_len = context_limit(cfg.max_model_len, target_model.config.max_position,
                                            num_kv_blocks * block_size - reserve_slots(draft_shape(draft_side)))
         eager = self.target.device.type != "cuda" if cfg.enforce_eager is None else cfg.enforce_eager
-        if not (eager or cfg.deterministic):  # the deterministic rows run eagerly, one at a time
+        if not (eager or self.target.runner.row_order):  # rows one at a time run eagerly
             drafts = draft_side.num_speculative_tokens if draft_side is not None else 0
             self.target.use_static_shapes(drafts, self.max_model_len, spec.dspark_survival_threshold)
             if isinstance(draft_side, DraftSide):

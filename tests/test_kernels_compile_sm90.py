@@ -137,6 +137,18 @@ def test_dense_gemv_compiles(monkeypatch, m, bias):
                             {"DOT_F32": False}) == {"_gemv_kernel": 1}
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_invariant_matmul_compiles(monkeypatch, bias, out_dtype):
+    """The deterministic mode's matmul on the tensor cores (bf16 tl.dot, not the interpreter's row sums); the fp32
+    output is the lm_head's logits."""
+    from dspark_serve.kernels import matmul_invariant as mi
+    w, b = torch.randn(96, 300).bfloat16(), torch.randn(96).bfloat16() if bias else None
+    x = torch.randn(5, 300).bfloat16()
+    assert compile_launches(monkeypatch, mi, ("_matmul_kernel",), lambda: mi.matmul_invariant(x, w, b, out_dtype),
+                            {"ROW_SUM": False, "DOT_F32": False}) == {"_matmul_kernel": 1}
+
+
 def _first(ptx: str, *ops: str) -> int:
     found = [i for op in ops if (i := ptx.find(op)) >= 0]
     return min(found) if found else len(ptx)

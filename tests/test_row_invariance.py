@@ -20,24 +20,24 @@ def _runner(dtype, deterministic):
     return TargetRunner(target, KernelConfig(triton=False), deterministic), target
 
 
-def _probe(runner, target, m: int, probe_first: bool):
+def _probe(runner, target, m: int, probe_first: bool, dev: str = "cpu"):
     """The probe sequence's row (position 20, its context prefilled) in a step of m rows whose other m - 1 are a
     prompt chunk of another sequence -> (hidden, logits, the probe's K/V of every layer)."""
     g = torch.Generator().manual_seed(1)
     cache = target.allocate_kv_cache(64, BLOCK)
-    ctx = torch.randint(0, 255, (21,), generator=g)
+    ctx = torch.randint(0, 255, (21,), generator=g).to(dev)
     probe_blocks = list(range(6))
-    meta = batch_metadata([probe_blocks], [0], [20], BLOCK, torch.device("cpu"))
-    runner.forward(ctx[:20], positions_of([0], [20], "cpu"), meta, cache)
-    filler = torch.randint(0, 255, (m - 1,), generator=g)
+    meta = batch_metadata([probe_blocks], [0], [20], BLOCK, torch.device(dev))
+    runner.forward(ctx[:20], positions_of([0], [20], dev), meta, cache)
+    filler = torch.randint(0, 255, (m - 1,), generator=g).to(dev)
     filler_blocks = list(range(6, 6 + -(-m // BLOCK)))
     seqs = [(probe_blocks, 20, ctx[20:]), (filler_blocks, 0, filler)]
     if not probe_first:
         seqs.reverse()
     seqs = [s for s in seqs if len(s[2])]
-    meta = batch_metadata([s[0] for s in seqs], [s[1] for s in seqs], [len(s[2]) for s in seqs], BLOCK, "cpu")
+    meta = batch_metadata([s[0] for s in seqs], [s[1] for s in seqs], [len(s[2]) for s in seqs], BLOCK, dev)
     ids = torch.cat([s[2] for s in seqs])
-    hidden, _ = runner.forward(ids, positions_of([s[1] for s in seqs], [len(s[2]) for s in seqs], "cpu"), meta,
+    hidden, _ = runner.forward(ids, positions_of([s[1] for s in seqs], [len(s[2]) for s in seqs], dev), meta,
                                cache)
     row = 0 if probe_first else m - 1
     logits = runner.compute_logits(hidden)[row]
@@ -47,13 +47,7 @@ def _probe(runner, target, m: int, probe_first: bool):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_is_bit_equal_at_every_batch_size(dtype):
-    runner, target = _runner(dtype, True)
-    alone = _probe(runner, target, 1, True)
-    for m in SIZES[1:]:
-        for first in (True, False):
-            got = _probe(runner, target, m, first)
-            for name, a, b in zip(("hidden", "logits", "kv"), alone, got):
-                assert torch.equal(a, b), (dtype, m, first, name, (a.float() - b.float()).abs().max().item())
+    check_row_invariance(*_runner(dtype, True))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -68,20 +62,34 @@ def test_default_path_is_not_row_invariant(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prefill_equals_decoding_token_by_token(dtype):
-    runner, target = _runner(dtype, True)
-    prompt = torch.randint(0, 255, (23,), generator=torch.Generator().manual_seed(2))
+    check_prefill_equals_decoding(*_runner(dtype, True))
+
+
+def check_prefill_equals_decoding(runner, target, dev: str = "cpu"):
+    """One 23-token prompt prefilled whole, token by token and in chunks of 5, 16, 2: the same cache and last
+    logits."""
+    prompt = torch.randint(0, 255, (23,), generator=torch.Generator().manual_seed(2)).to(dev)
     caches, last = [], []
     for chunks in ([23], [1] * 23, [5, 16, 2]):
         cache = target.allocate_kv_cache(8, BLOCK)
         start = 0
         for n in chunks:
-            meta = batch_metadata([list(range(6))], [start], [n], BLOCK, "cpu")
-            hidden, _ = runner.forward(prompt[start:start + n], positions_of([start], [n], "cpu"), meta, cache)
+            meta = batch_metadata([list(range(6))], [start], [n], BLOCK, dev)
+            hidden, _ = runner.forward(prompt[start:start + n], positions_of([start], [n], dev), meta, cache)
             start += n
         caches.append(cache)
         last.append(runner.compute_logits(hidden[-1:]))
-    for cache, logits in zip(caches[1:], last[1:]):
-        assert torch.equal(cache, caches[0]) and torch.equal(logits, last[0])
+    for chunks, cache, logits in zip(("one token a chunk", "5, 16, 2"), caches[1:], last[1:]):
+        assert torch.equal(cache, caches[0]) and torch.equal(logits, last[0]), chunks
+
+
+def check_row_invariance(runner, target, dev: str = "cpu"):
+    alone = _probe(runner, target, 1, True, dev)
+    for m in SIZES[1:]:
+        for first in (True, False):
+            got = _probe(runner, target, m, first, dev)
+            for name, a, b in zip(("hidden", "logits", "kv"), alone, got):
+                assert torch.equal(a, b), (m, first, name, (a.float() - b.float()).abs().max().item())
 
 
 def test_coupled_tokens_are_row_invariant():

@@ -1,7 +1,11 @@
 """A decoder layer prepared for inference: q/k/v and gate/up as one weight each (views of the module's own
 parameters, or one NVFP4Stack for 4-bit ones), tile-major copies for 2-16-row GEMVs, and its forward on the Triton
 kernels (norms fused with the residual add and into the one-row GEMVs, q/k norm + RoPE + K/V store in one launch,
-Triton paged attention). The plain modules (models/layers.py, models/qwen.py) are the reference it equals."""
+Triton paged attention). The plain modules (models/layers.py, models/qwen.py) are the reference it equals.
+
+Batch-invariant layers (the deterministic mode on the fast path) take one tile shape whatever the rows: every
+projection through kernels/matmul_invariant.py after a separate per-row RMSNorm, attention through the paged kernel
+with one fixed config and no key split, so a row's bits do not depend on its batch."""
 
 from __future__ import annotations
 
@@ -26,20 +30,35 @@ if TYPE_CHECKING:
 MAX_TRITON_QUERY = 16  # fresh prompts longer than this attend with one SDPA, the rest with the paged kernel
 
 
+def _invariant_attention():
+    from dspark_serve.kernels.paged_attention_triton import AttentionConfig
+    return AttentionConfig(block_m=64, block_n=32, num_splits=1)  # every query and context: one tile walk a row
+
+
+def matmul_invariant(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    from dspark_serve.kernels.matmul_invariant import matmul_invariant as mm
+    return mm(x, w, bias)
+
+
 @dataclass
 class FusedMLP:
     mlp: MLP
     gate_up: Tensor | None = None  # [2I, hidden]: gate's and up's weights are views of it
     gate_up_q4: NVFP4Stack | None = None  # NVFP4 gate and up as one stack
     tiled: tuple[Tensor | None, Tensor | None] = (None, None)  # tile-major gate/up and down
+    invariant: bool = False  # batch-invariant (module docstring)
 
     @classmethod
-    def of(cls, mlp: MLP, tiled: bool) -> FusedMLP:
+    def of(cls, mlp: MLP, tiled: bool, invariant: bool = False) -> FusedMLP:
         if type(mlp.gate_proj) is nn.Linear and type(mlp.up_proj) is nn.Linear:
             gate_up = concat_as_views([mlp.gate_proj.weight, mlp.up_proj.weight])
             down = mlp.down_proj.weight if type(mlp.down_proj) is nn.Linear else None
+            if invariant and down is None:
+                raise ValueError("the batch-invariant layers take bf16 / fp32 projections only")
             copies = (tiled_copy(gate_up, swiglu=True), tiled_copy(down)) if tiled else (None, None)
-            return cls(mlp, gate_up=gate_up, tiled=copies)
+            return cls(mlp, gate_up=gate_up, tiled=copies, invariant=invariant)
+        if invariant:
+            raise ValueError("the batch-invariant layers take bf16 / fp32 projections only")
         if _all_nvfp4(mlp.gate_proj, mlp.up_proj):
             return cls(mlp, gate_up_q4=NVFP4Stack([mlp.gate_proj, mlp.up_proj]))
         return cls(mlp)
@@ -49,6 +68,8 @@ class FusedMLP:
         from dspark_serve.kernels.fused_ops import silu_mul
         from dspark_serve.kernels.gemv_bf16 import linear_silu_mul
 
+        if self.invariant:
+            return self._down(silu_mul(matmul_invariant(x, self.gate_up)))
         if self.gate_up is not None:
             return self._down(linear_silu_mul(x, self.gate_up, self.tiled[0]))
         m = self.mlp
@@ -59,7 +80,7 @@ class FusedMLP:
         """forward(RMSNorm(x [+ residual])) and the new residual; the one-row gate/up GEMV applies the norm itself."""
         from dspark_serve.kernels.gemv_bf16 import apply_norm, norm_linear_silu_mul
 
-        if self.gate_up is not None:
+        if self.gate_up is not None and not self.invariant:
             h, residual = norm_linear_silu_mul(x, norm, self.gate_up, self.tiled[0])
             return self._down(h), residual
         h, residual = apply_norm(x, norm)
@@ -69,6 +90,8 @@ class FusedMLP:
         from dspark_serve.kernels.gemv_bf16 import linear
 
         down = self.mlp.down_proj
+        if self.invariant:
+            return matmul_invariant(h, down.weight, down.bias)
         return linear(h, down.weight, down.bias, self.tiled[1]) if type(down) is nn.Linear else down(h)
 
 
@@ -78,15 +101,19 @@ class FusedAttention:
     qkv: tuple[Tensor, Tensor | None] | None = None  # [q + 2 kv, hidden] and its bias: q/k/v's are views of them
     qkv_q4: NVFP4Stack | None = None  # NVFP4 q/k/v as one stack
     tiled: tuple[Tensor | None, Tensor | None] = (None, None)  # tile-major qkv and o
+    invariant: bool = False  # batch-invariant (module docstring)
 
     @classmethod
-    def of(cls, attn: AttentionProjections, tiled: bool) -> FusedAttention:
+    def of(cls, attn: AttentionProjections, tiled: bool, invariant: bool = False) -> FusedAttention:
         projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-        if all(type(p) is nn.Linear for p in projs):
+        if all(type(p) is nn.Linear for p in projs) and (type(attn.o_proj) is nn.Linear or not invariant):
             bias = concat_as_views([p.bias for p in projs]) if attn.q_proj.bias is not None else None
             qkv = (concat_as_views([p.weight for p in projs]), bias)
             o = attn.o_proj.weight if type(attn.o_proj) is nn.Linear else None
-            return cls(attn, qkv=qkv, tiled=(tiled_copy(qkv[0]), tiled_copy(o)) if tiled else (None, None))
+            return cls(attn, qkv=qkv, tiled=(tiled_copy(qkv[0]), tiled_copy(o)) if tiled else (None, None),
+                       invariant=invariant)
+        if invariant:
+            raise ValueError("the batch-invariant layers take bf16 / fp32 projections only")
         if _all_nvfp4(*projs):
             return cls(attn, qkv_q4=NVFP4Stack(list(projs)))
         return cls(attn)
@@ -101,7 +128,10 @@ class FusedAttention:
 
         a = self.attn
         t, d, h, kv = x.shape[0], a.head_dim, a.num_heads, a.num_kv_heads
-        if self.qkv is not None:
+        if self.invariant:
+            x, residual = apply_norm(x, norm)
+            qkv = matmul_invariant(x, *self.qkv)
+        elif self.qkv is not None:
             qkv, residual = norm_linear(x, norm, *self.qkv, self.tiled[0])  # [T, (H + 2 KV) * D]
         else:
             x, residual = apply_norm(x, norm)
@@ -120,6 +150,8 @@ class FusedAttention:
         from dspark_serve.kernels.gemv_bf16 import linear
 
         p = self.attn.o_proj
+        if self.invariant:
+            return matmul_invariant(o, p.weight, p.bias)
         return linear(o, p.weight, p.bias, self.tiled[1]) if type(p) is nn.Linear else p(o)
 
 
@@ -130,8 +162,9 @@ class FusedLayer:
     mlp: FusedMLP
 
     @classmethod
-    def of(cls, layer: DecoderLayer, tiled: bool) -> FusedLayer:
-        return cls(layer, FusedAttention.of(layer.self_attn, tiled), FusedMLP.of(layer.mlp, tiled))
+    def of(cls, layer: DecoderLayer, tiled: bool, invariant: bool = False) -> FusedLayer:
+        return cls(layer, FusedAttention.of(layer.self_attn, tiled, invariant),
+                   FusedMLP.of(layer.mlp, tiled, invariant))
 
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor,
                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -140,16 +173,16 @@ class FusedLayer:
         ln = self.layer.input_layernorm
         q, residual = self.attn.query_key_value(x, (ln.weight, ln.eps, residual), cos, sin, kv_cache[0],
                                                 kv_cache[1], meta.slot_mapping)  # k, v go to the cache
-        o = attention(q, kv_cache[0], kv_cache[1], meta, self.attn.attn.scale)  # [T, H, D]
+        o = attention(q, kv_cache[0], kv_cache[1], meta, self.attn.attn.scale, self.attn.invariant)  # [T, H, D]
         ln = self.layer.post_attention_layernorm
         return self.mlp.forward_normed(self.attn.output(o.reshape(x.shape[0], -1)), (ln.weight, ln.eps, residual))
 
 
-def fuse_layers(layers: nn.ModuleList, kernels: KernelConfig) -> list[FusedLayer]:
+def fuse_layers(layers: nn.ModuleList, kernels: KernelConfig, invariant: bool = False) -> list[FusedLayer]:
     """Every decoder layer prepared for the fast path (after the model is on its device), with tile-major copies
-    where keep_tile_major says so."""
-    tiled = keep_tile_major(layers, kernels)
-    return [FusedLayer.of(layer, tiled) for layer in layers]
+    where keep_tile_major says so; `invariant`: the batch-invariant layers (no copies)."""
+    tiled = not invariant and keep_tile_major(layers, kernels)
+    return [FusedLayer.of(layer, tiled, invariant) for layer in layers]
 
 
 def run_fused_layers(layers: list[FusedLayer], x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor,
@@ -175,13 +208,17 @@ def fused_stack(layers: list[FusedLayer]) -> LayerStack:
     return stack
 
 
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float,
+              invariant: bool = False) -> Tensor:
     """One SDPA over fresh prompts of more than 16 tokens (KernelConfig.prompt_sdpa); else the Triton paged
-    attention: decode, verify and draft-block queries, and prompts after a cached start (over their cached keys)."""
-    if meta.max_query_len > MAX_TRITON_QUERY and meta.prompt_lens and active().prompt_sdpa:
-        return prompt_attention(q, k_cache, v_cache, meta, scale)
+    attention: decode, verify and draft-block queries, and prompts after a cached start (over their cached keys).
+    `invariant`: every query through the paged kernel with one config."""
     from dspark_serve.kernels.paged_attention_triton import paged_attention_triton
 
+    if invariant:
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, _invariant_attention())
+    if meta.max_query_len > MAX_TRITON_QUERY and meta.prompt_lens and active().prompt_sdpa:
+        return prompt_attention(q, k_cache, v_cache, meta, scale)
     return paged_attention_triton(q, k_cache, v_cache, meta, scale)
 
 

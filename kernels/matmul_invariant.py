@@ -1,0 +1,88 @@
+"""A batch-invariant matmul for the deterministic mode: y = x @ w^T (+ bias), each output row computed the same way
+whatever the other rows are, so a row's result is bit-equal at M = 1 and in a batch of any size.
+
+One tile shape for every M (BLOCK_M x BLOCK_N output tiles, K walked in BLOCK_K steps in order, fp32 accumulation,
+no split-K): a row's dot products see the same operands in the same order and the same tensor-core instruction
+whichever tile and batch hold it; other rows only fill the tile's other lanes. cuBLAS and the GEMVs pick their
+kernels and reduction splits by M, which is what makes a row's bits depend on its batch. The reference is F.linear
+(equal up to rounding): `tests/test_matmul_invariant.py` checks both and the invariance under the CPU interpreter,
+`tests/gpu/test_matmul_invariant_gpu.py` on the GPU's tensor cores.
+
+Programs walk the M tiles of one weight tile in a row, so at large M the weight tile is read from L2 after its first
+use.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class InvariantConfig:
+    block_m: int = 16   # the rows a program holds (a decode row wastes the rest; every M uses the same tiles)
+    block_n: int = 32   # output columns a program holds: small Ns still fill the GPU at one row
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+CONFIG = InvariantConfig()
+
+
+@triton.jit
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, m_tiles,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_F32: tl.constexpr, ROW_SUM: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m, pid_n = pid % m_tiles, pid // m_tiles                               # M tiles of one weight tile in a row
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                               # [BM]
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
+    rk = tl.arange(0, BLOCK_K)                                                 # [BK]
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + rk < K
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)            # [BM, BK]
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)            # [BN, BK]
+        # The CPU interpreter's tl.dot is numpy's BLAS, whose micro-kernels give a row's bits by its lane in the tile
+        # (and its bf16 dot is wrong): there, products and a sum over K in fp32, the same order for every row.
+        if ROW_SUM:
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif DOT_F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def matmul_invariant(x: Tensor, w: Tensor, bias: Tensor | None = None, out_dtype: torch.dtype | None = None,
+                     config: InvariantConfig = CONFIG) -> Tensor:
+    """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in out_dtype (default x's), every row as it would be alone.
+    A CPU tensor needs TRITON_INTERPRET=1."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul_invariant takes x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if bias is not None and bias.shape != (w.shape[0],):
+        raise ValueError(f"bias must be [{w.shape[0]}], got {tuple(bias.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    m_tiles = triton.cdiv(m, config.block_m)
+    grid = (m_tiles * triton.cdiv(n, config.block_n),)
+    _matmul_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+                         m_tiles, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                         BLOCK_K=config.block_k,
+                         DOT_F32=x.dtype == torch.float32 or w.dtype == torch.float32, ROW_SUM=not x.is_cuda,
+                         num_warps=config.num_warps, num_stages=config.num_stages)
+    return y

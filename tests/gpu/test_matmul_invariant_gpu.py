@@ -1,0 +1,41 @@
+"""The deterministic mode's kernels on CUDA: the batch-invariant matmul's rows bit-equal at every M and lane on the
+tensor cores, close to cuBLAS; the invariant target runner's row, K/V and logits bit-equal alone and among 7 to 64
+rows, and a prompt's prefill equal to decoding it token by token."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("n,k", [(1152, 896), (896, 4864), (9728, 896), (8192, 896)])
+def test_rows_bit_equal_at_every_m(n, k):
+    from dspark_serve.kernels.matmul_invariant import matmul_invariant
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(512, k, generator=g, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(n, k, generator=g, device=DEV, dtype=torch.bfloat16) / k ** 0.5
+    b = torch.randn(n, generator=g, device=DEV, dtype=torch.bfloat16)
+    full = matmul_invariant(x, w, b)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert ((full.float() - ref).norm() / ref.norm()).item() < 1e-2
+    for m in (1, 7, 8, 16, 64, 200):
+        for start in (0, 3, 512 - m):
+            assert torch.equal(matmul_invariant(x[start:start + m], w, b), full[start:start + m]), (m, start)
+
+
+def test_invariant_runner_rows_and_prefill():
+    from engine_pairs import build_pair
+    from test_row_invariance import check_prefill_equals_decoding, check_row_invariance
+
+    from dspark_serve.engine.runner.target_runner import TargetRunner
+    from dspark_serve.kernels.config import KernelConfig
+
+    target, _ = build_pair(seed=11, dtype=torch.bfloat16)
+    target = target.to(DEV)
+    runner = TargetRunner(target, KernelConfig.for_device(torch.device(DEV)), deterministic=True)
+    assert runner.invariant and runner.layers is not None
+    check_row_invariance(runner, target, DEV)
+    check_prefill_equals_decoding(runner, target, DEV)
