@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
     ap.add_argument("--device")
+    ap.add_argument("--configs", nargs="+", help="a subset of plain adaptive k1 k3 k7 (default: all)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     seqs = max(args.levels)
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
     pool = [CHAT_TEMPLATE.format(t) for t in read_prompt_texts(PROMPTS / "heldout_code.jsonl")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     configs = [("plain", plain, None), ("adaptive", spec, None)] + [(f"k{k}", spec, k) for k in FIXED]
+    configs = [c for c in configs if args.configs is None or c[0] in args.configs]
     for c in args.levels:
         prompts = [pool[i % len(pool)] for i in range(c)]
         for _, llm, k in configs:  # warm-up: every bucket of this level recorded, the policy's estimates primed
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         level["greedy_identical"] = {name: sum(a == b for a, b in zip(runs[-1]["tokens"], ref))
                                      for name, runs in rows.items() if name != "plain"}
         result["levels"].append(level)
-        best = lambda name: max(level[name]["tok_s"])  # noqa: E731
+        best = lambda name: max(level[name]["tok_s"]) if name in level else float("nan")  # noqa: E731
         print(f"c={c:>3}: " + ", ".join(f"{n} {best(n):.0f}" for n, _, _ in configs)
               + f" tok/s; adaptive/plain {best('adaptive') / best('plain'):.2f}, adaptive/best fixed "
               f"{best('adaptive') / max(best(f'k{k}') for k in FIXED):.2f}", flush=True)
@@ -99,8 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{'c':>4} {'plain':>7} {'adapt':>7} " + " ".join(f"{'k' + str(k):>7}" for k in FIXED)
           + f" {'a/plain':>7} {'a/best k':>8}  verified drafts per request-step (adaptive)")
     for lv in result["levels"]:
-        b = {n: max(lv[n]["tok_s"]) for n in ["plain", "adaptive"] + [f"k{k}" for k in FIXED]}
-        hist = lv["adaptive"]["verified"]
+        b = {n: max(lv[n]["tok_s"]) if n in lv else float("nan") for n in ["plain", "adaptive"]
+             + [f"k{k}" for k in FIXED]}
+        hist = lv["adaptive"]["verified"] if "adaptive" in lv else {}
         total = sum(hist.values()) or 1
         mean = sum(k * v for k, v in hist.items()) / total
         print(f"{lv['concurrency']:>4} {b['plain']:>7.0f} {b['adaptive']:>7.0f} "

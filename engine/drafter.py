@@ -38,10 +38,33 @@ class DraftContext:
     target's features of the positions after it that the draft has not been given yet."""
 
     length: int = 0
-    pending: list[Tensor] = field(default_factory=list)  # [rows, F] each, positions length .. num_computed - 1
+    # positions length .. num_computed - 1: (a step's features [rows, F], first row, rows) each, sliced only when
+    # the draft takes them (a step that drafts nothing pays no per-row tensor op)
+    pending: list[tuple[Tensor, int, int]] = field(default_factory=list)
 
     def reset(self, length: int = 0) -> None:
         self.length, self.pending = length, []
+
+
+def pending_features(contexts: list[DraftContext]) -> Tensor | None:
+    """The contexts' pending features in order, [sum of rows, F]: one index_select over the steps they came from."""
+    entries = [e for c in contexts for e in c.pending]
+    if len(entries) <= 1:
+        return entries[0][0][entries[0][1]:entries[0][1] + entries[0][2]] if entries else None
+    bases: dict[int, tuple[int, Tensor]] = {}  # id(step features) -> (its first row in the joined tensor, it)
+    rows, size = [], 0
+    for base, first, n in entries:
+        if id(base) not in bases:
+            bases[id(base)] = (size, base)
+            size += base.shape[0]
+        at = bases[id(base)][0] + first
+        rows.extend(range(at, at + n))
+    parts = [b for _, b in bases.values()]
+    joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+    index = torch.tensor(rows, dtype=torch.int64)
+    if joined.is_cuda:
+        index = index.pin_memory().to(joined.device, non_blocking=True)
+    return joined.index_select(0, index)
 
 
 def draft_input(reqs: list[Request], contexts: list[DraftContext], anchors: list[int] | None = None,
@@ -51,14 +74,13 @@ def draft_input(reqs: list[Request], contexts: list[DraftContext], anchors: list
     commit)."""
     computed = [r.num_computed for r in reqs] if computed is None else computed
     width = max(len(r.draft_blocks) for r in reqs)
-    feats = [f for c in contexts for f in c.pending]
     ints = torch.tensor([[r.anchor for r in reqs] if anchors is None else anchors,
                          [r.anchor_pos for r in reqs] if anchor_pos is None else anchor_pos,
                          [c.length for c in contexts], [n - c.length for n, c in zip(computed, contexts)],
                          [r.seed for r in reqs]], dtype=torch.int64)  # [5, R]
     inp = DraftInput(
         anchors=ints[0], anchor_pos=ints[1], ctx_start=ints[2], ctx_len=ints[3],
-        features=torch.cat(feats) if len(feats) > 1 else (feats[0] if feats else None),
+        features=pending_features(contexts),
         block_table=torch.tensor([r.draft_blocks + [0] * (width - len(r.draft_blocks)) for r in reqs]),
         temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32), seeds=ints[4],
         grammars=tuple(r.grammar for r in reqs) if anchors is None and any(r.grammar for r in reqs) else None)

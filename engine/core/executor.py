@@ -94,7 +94,7 @@ class Executor:
                 if c.first:  # what the prefix cache held is the draft's context too
                     ctx.reset(c.start)
                 if f is not None:
-                    ctx.pending.append(f)
+                    ctx.pending.append((f, 0, f.shape[0]))
         self._write_contexts([c for c in chunks if c.samples])
         rows = [i for i, c in enumerate(chunks) if c.samples]
         if not rows:

@@ -170,11 +170,13 @@ def finish(launched: Launched, rows, context_of: Callable[[Request], DraftContex
             (launched.logprobs_host if launched.logprobs_host is not None else lp.values).tolist()
         conf = launched.conf_host.tolist() if launched.conf_host is not None else None
     out = {}
+    feats = launched.feats.flatten(0, 1) if launched.feats is not None else None  # [R * (1 + W), F]
+    width = launched.feats.shape[1] if feats is not None else 0
     for i in rows:
         r, row = launched.reqs[i], packed[i]
         k, a = row[PACKED_VERIFIED], row[PACKED_ACCEPTED]
-        if context_of is not None and launched.feats is not None:
-            context_of(r).pending.append(launched.feats[i, :a + 1])
+        if context_of is not None and feats is not None:
+            context_of(r).pending.append((feats, i * width, a + 1))
         tokens = row[PACKED_TOKENS:PACKED_TOKENS + a + 1]
         out[r] = RowResult(tokens, a, k, conf[i] if conf is not None else None,
                            lp.of_row(lp_values, i, tokens) if lp is not None else None,
