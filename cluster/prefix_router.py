@@ -85,7 +85,9 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return [[by_id[chosen]], two]  # a holder that refuses (its queue full) falls back to the two
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
-        """Ongoing requests per replica: Serve's queue-length cache, probing those it lacks."""
+        """Ongoing requests per replica: Serve's queue-length cache, probing those it lacks. A replica whose probe
+        missed its deadline (Serve's 0.1 s at first) stays a candidate at the known replicas' mean load: dropping it
+        would send every new conversation to the replicas that happened to answer."""
         loads, missing = {}, []
         for r in replicas:
             n = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
@@ -94,9 +96,14 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             else:
                 loads[r.replica_id] = n
         if missing:
-            for r, n in await self._probe_queue_lens(missing, 0):
+            probed = await self._probe_queue_lens(missing, 0)
+            for r, n in probed:
                 if n is not None:
                     loads[r.replica_id] = n
+            mean = round(sum(loads.values()) / len(loads)) if loads else 0
+            for r, n in probed:
+                if n is None and r.replica_id in self._replica_id_set:  # gone replicas left the set
+                    loads[r.replica_id] = mean
         return loads
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

@@ -3,6 +3,7 @@ the tiny pair behind Serve's gRPC and HTTP proxies with the prefix-affinity rout
 to the replica holding their cache; a replica out of balance sheds new requests; a SIGKILLed replica ends only its
 own streams; and an autoscaled deployment goes 1 -> 2 replicas under a queue and back to 1 when idle."""
 
+import collections
 import os
 import signal
 import socket
@@ -120,9 +121,10 @@ def multi_turn_hits(client: DSparkClient) -> tuple[float, list[dict]]:
 def test_conversations_return_to_their_cache(cluster):
     client, http_port = cluster
     share, follow_ups = multi_turn_hits(client)
-    replicas = {r["replica"] for r in follow_ups}
-    print(f"multi-turn: {share:.1%} of {len(follow_ups)} follow-ups with >= half cached; replicas {replicas}")
-    assert len(replicas) == 2 and None not in replicas
+    per = collections.Counter(r["replica"] for r in follow_ups)
+    print(f"multi-turn: {share:.1%} of {len(follow_ups)} follow-ups with >= half cached; per replica {dict(per)}")
+    assert len(per) == 2 and None not in per
+    assert min(per.values()) >= len(follow_ups) / 4  # new conversations spread, even past a missed load probe
     assert share >= 0.9
 
 
