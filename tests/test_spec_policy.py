@@ -249,3 +249,25 @@ def test_drafting_stops_where_plain_steps_emitted_more_tokens_per_millisecond():
     assert max(len(list(g)) for k, g in itertools.groupby(slow, key=bool) if k) <= 3
     assert policy.view(reqs).budget(reqs, caps, [True] + [False] * 7) == 4  # pinned drafts only
     assert run(200, 8 + 20)[-20:].count(0) <= 2  # drafting pays again: it resumes
+
+
+def test_explorations_back_off_while_plain_steps_stay_faster():
+    """A drafter the target rejects: each exploration confirms plain steps are faster, so the plain runs between
+    explorations double from EXPLORE_EVERY up to MAX_EXPLORE_EVERY; when drafting pays again they are short again."""
+    from dspark_serve.engine.core.policy import EXPLORE_EVERY, MAX_EXPLORE_EVERY
+
+    reqs = _reqs(8)
+    costs = _device_costs(StepCosts.linear(1.0, 0.01, 0.2, 0.0), 8, (8, 16, 24, 32, 40))
+    policy = SpecPolicy(4, True, costs=costs)
+    caps, pinned = [4] * 8, [False] * 8
+    budgets, last = [], None
+    for _ in range(400):
+        b = policy.view(reqs).budget(reqs, caps, pinned)
+        budgets.append(b)
+        policy.stepped(b > 0)
+        policy.timed(8, 8 + b, b > 0, 3.0 if b else 2.0, steady=last == (b > 0), emitted=8 + 1 if b else 8)
+        last = b > 0
+    plain_runs = [len(list(g)) for k, g in itertools.groupby(budgets, key=bool) if not k][1:-1]
+    assert plain_runs[0] <= 2 * EXPLORE_EVERY and plain_runs[-1] == MAX_EXPLORE_EVERY, plain_runs
+    assert plain_runs == sorted(plain_runs)
+    assert sum(b > 0 for b in budgets[200:]) <= 3 * (200 // MAX_EXPLORE_EVERY + 1)

@@ -31,6 +31,7 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations of the server-wide correction behind e
 DECAY = 0.97  # weight of older observations per new one, so the estimates follow a changing text
 NO_HEAD_PRIOR = 0.6  # conditional acceptance assumed per position before anything is measured (no confidence head)
 EXPLORE_EVERY = 16  # steps without a draft after which one drafts anyway, so the estimates keep up with the text
+MAX_EXPLORE_EVERY = 64  # the gap doubles up to this while each exploration finds plain steps still faster there
 PLAIN_EVERY = 256  # drafting steps after which one step is plain, so the host's share of a plain step stays known
 EXPLORE_RUN = 3  # steps an exploration lasts: the first step after a switch carries the last one's queued work,
 # so only the steps after it are timed
@@ -158,6 +159,8 @@ class SpecPolicy:
         self._undrafted = 0  # decode steps since one drafted
         self._drafted = 0  # decode steps since one was plain
         self._exploring = False  # a run of steps against the estimates is on
+        self._explore_every = EXPLORE_EVERY  # plain steps before the next drafting exploration
+        self._bucket: int | None = None  # the batch bucket of the last view
         self._view: PolicyView | None = None
         self._view_key: tuple = ()
         self._age = 0
@@ -246,11 +249,17 @@ class SpecPolicy:
         self._drafted = self._drafted + 1 if drafted else 0
         if self._exploring and max(self._drafted, self._undrafted) >= EXPLORE_RUN:
             self._exploring = False
+            if self._drafted >= EXPLORE_RUN:  # a drafting run ended: wait longer while plain stays faster here
+                slower = self._bucket in self._plain_faster()
+                self._explore_every = min(2 * self._explore_every, MAX_EXPLORE_EVERY) if slower else EXPLORE_EVERY
+        elif drafted and not self._exploring:
+            self._explore_every = EXPLORE_EVERY
         self._age += 1
 
     def _explore_drafting(self) -> bool:
-        """Draft whatever the drafts seem worth: EXPLORE_EVERY plain steps passed (until EXPLORE_RUN drafted)."""
-        due = self._undrafted >= EXPLORE_EVERY or (self._exploring and 0 < self._drafted < EXPLORE_RUN)
+        """Draft whatever the drafts seem worth: EXPLORE_EVERY plain steps passed (until EXPLORE_RUN drafted); twice
+        as many after each exploration that found plain steps faster, up to MAX_EXPLORE_EVERY."""
+        due = self._undrafted >= self._explore_every or (self._exploring and 0 < self._drafted < EXPLORE_RUN)
         self._exploring |= due
         return due
 
@@ -276,6 +285,8 @@ class SpecPolicy:
         fresh (REFRESH_STEPS), else refreshed."""
         if not self.enabled:
             return fixed_view(self.num_drafts, token_limit, self.max_verify_tokens)
+        if self.costs is not None:
+            self._bucket = self.costs.bucket(len(reqs))
         key = (tuple(map(id, reqs)), token_limit, self._explore_drafting(), self._plain_due(len(reqs)))
         if self._view is not None and key == self._view_key and self._age < REFRESH_STEPS:
             return self._view
