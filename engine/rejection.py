@@ -10,7 +10,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sampling import BONUS_SALT, RESAMPLE_SALT, VERIFY_SALT, keyed_uniform, processed_probs, sample_from_probs
+from .sampling import (BONUS_SALT, RESAMPLE_SALT, VERIFY_SALT, keyed_gumbel, keyed_uniform, processed_probs,
+                       sample_from_probs)
+
+COUPLED_ROWS = 8  # sampled rows without filters drawn in one pass on a GPU (bounds its [rows, n, V]); on CPU one row
+# a pass, whose noise stays in cache
 
 RESIDUAL_EPS = 1e-8  # residual mass at or below this falls back to p
 
@@ -157,18 +161,27 @@ def coupled_tokens(target_logits: Tensor, is_greedy: Tensor, temperature: Tensor
                    min_p: Tensor, seeds: Tensor, positions: Tensor, filtered_rows: list[int] | None) -> Tensor:
     """The target's token at every slot, decided by that slot alone -> [R, n + 1] int64: the argmax for greedy rows;
     for sampled rows argmax(log p + Gumbel(seed, position)), the noise plain sampling draws at that position (an
-    exact sample of p), each slot's p computed on its own [1, 1, V] logits so that no batch shape enters its
-    arithmetic. Accepting drafts while they equal these tokens (verify_greedy_ids) is lossless, and the output
-    equals plain decoding's whatever the drafts were; sampled drafts are accepted less often than min(1, p/q).
-    Reads the rows' greedy flags on the host."""
+    exact sample of p). A row without top-k / top-p / min-p takes argmax(logits / T + Gumbel): log p differs from
+    logits / T by the row's log-sum-exp, which moves no argmax, and elementwise arithmetic sees no batch shape, so
+    such rows go several at a time; a filtered slot's p is computed on its own [1, 1, V] logits. Accepting
+    drafts while they equal these tokens (verify_greedy_ids) is lossless, and the output equals plain decoding's
+    whatever the drafts were; sampled drafts are accepted less often than min(1, p/q). Reads the rows' greedy flags
+    on the host."""
     ids = target_logits.argmax(-1)  # [R, n + 1]
     filtered = set(range(ids.shape[0]) if filtered_rows is None else filtered_rows)
-    for r, greedy in enumerate(is_greedy.tolist()):
-        if greedy:
+    sampled = [r for r, greedy in enumerate(is_greedy.tolist()) if not greedy]
+    free = [r for r in sampled if r not in filtered]
+    step = COUPLED_ROWS if ids.is_cuda else 1
+    for i in range(0, len(free), step):
+        rows = torch.tensor(free[i:i + step], device=ids.device)
+        x = target_logits[rows].float() / temperature[rows].float()[:, None, None]  # [r, n + 1, V]
+        ids[rows] = (x + keyed_gumbel(seeds[rows], positions[rows], x.shape[-1], BONUS_SALT)).argmax(-1)
+    for r in sampled:
+        if r not in filtered:
             continue
         one = slice(r, r + 1)
         for k in range(ids.shape[1]):
             p = processed_probs(target_logits[one, k:k + 1].clone(), temperature[one], top_k[one], top_p[one],
-                                min_p[one], [0] if r in filtered else [])  # [1, 1, V]
+                                min_p[one], [0])  # [1, 1, V]
             ids[r, k] = sample_from_probs(p, seeds[one], positions[one, k:k + 1], BONUS_SALT)[0, 0]
     return ids

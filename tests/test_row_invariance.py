@@ -118,3 +118,24 @@ def test_coupled_tokens_are_row_invariant():
     for m in SIZES[1:]:
         for slots in (1, 8):
             assert tokens(m, slots, m // 2) == alone, (m, slots)
+
+
+@pytest.mark.parametrize("top_k,rows", [(0, 4000), (3, 1500)])
+def test_coupled_tokens_are_samples_of_p(top_k, rows):
+    """Over many (seed, position) keys a sampled slot's coupled token follows softmax(logits / T), renormalized over
+    the top k when filtered (chi-square below 24.3: p = 0.001 at 7 degrees of freedom, looser at the filter's 2)."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0])
+    temp = 0.8
+    p = (logits / temp).softmax(-1)
+    if top_k:
+        p[top_k:] = 0
+        p /= p.sum()
+    ids = coupled_tokens(logits.expand(rows, 1, -1), torch.zeros(rows, dtype=torch.bool), torch.full((rows,), temp),
+                         torch.full((rows,), top_k), torch.ones(rows), torch.zeros(rows), torch.arange(rows) * 7919,
+                         torch.arange(rows)[:, None] % 97, list(range(rows)) if top_k else [])
+    counts = torch.bincount(ids[:, 0], minlength=8).float()
+    expected = p * rows
+    seen = expected > 0
+    assert counts[~seen].sum() == 0
+    chi2 = float(((counts[seen] - expected[seen]) ** 2 / expected[seen]).sum())
+    assert chi2 < 24.3, (chi2, counts.tolist(), expected.tolist())

@@ -1,6 +1,6 @@
-"""The deterministic mode's kernels on CUDA: the batch-invariant matmul's rows bit-equal at every M and lane on the
+"""The deterministic mode on CUDA: the batch-invariant matmul's rows bit-equal at every M and lane on the
 tensor cores, close to cuBLAS; the invariant target runner's row, K/V and logits bit-equal alone and among 7 to 64
-rows, and a prompt's prefill equal to decoding it token by token."""
+rows, and a prompt's prefill equal to decoding it token by token; a row's coupled sampled tokens equal its own alone."""
 
 import pytest
 import torch
@@ -39,3 +39,25 @@ def test_invariant_runner_rows_and_prefill():
     assert runner.invariant and runner.layers is not None
     check_row_invariance(runner, target, DEV)
     check_prefill_equals_decoding(runner, target, DEV)
+
+
+def test_coupled_tokens_of_a_row_do_not_depend_on_the_rows_beside_it():
+    """Sampled rows without filters are drawn several at a time on the GPU: each row's tokens equal its own alone."""
+    from dspark_serve.engine.rejection import coupled_tokens
+
+    g = torch.Generator(device=DEV).manual_seed(3)
+    r, n, v = 13, 8, 151936
+    logits = torch.randn(r, n, v, generator=g, device=DEV) * 3
+    greedy = torch.arange(r, device=DEV) % 4 == 0
+    temp = torch.rand(r, generator=g, device=DEV) + 0.5
+    top_k = torch.where(torch.arange(r, device=DEV) % 5 == 1, 20, 0)
+    seeds = torch.arange(r, device=DEV) * 7919
+    pos = torch.arange(n, device=DEV)[None].repeat(r, 1) + 30
+    filtered = [i for i in range(r) if top_k[i] > 0]
+    ones, zeros = torch.ones(r, device=DEV), torch.zeros(r, device=DEV)
+    together = coupled_tokens(logits, greedy, temp, top_k, ones, zeros, seeds, pos, filtered)
+    for i in range(r):
+        one = slice(i, i + 1)
+        alone = coupled_tokens(logits[one], greedy[one], temp[one], top_k[one], ones[one], zeros[one], seeds[one],
+                               pos[one], [0] if i in filtered else [])
+        assert torch.equal(alone[0], together[i]), i
