@@ -54,11 +54,11 @@ class FusedMLP:
             gate_up = concat_as_views([mlp.gate_proj.weight, mlp.up_proj.weight])
             down = mlp.down_proj.weight if type(mlp.down_proj) is nn.Linear else None
             if invariant and down is None:
-                raise ValueError("the batch-invariant layers take bf16 / fp32 projections only")
+                raise ValueError("the deterministic mode takes a target with bf16 / fp32 projections (its batch-invariant layers)")
             copies = (tiled_copy(gate_up, swiglu=True), tiled_copy(down)) if tiled else (None, None)
             return cls(mlp, gate_up=gate_up, tiled=copies, invariant=invariant)
         if invariant:
-            raise ValueError("the batch-invariant layers take bf16 / fp32 projections only")
+            raise ValueError("the deterministic mode takes a target with bf16 / fp32 projections (its batch-invariant layers)")
         if _all_nvfp4(mlp.gate_proj, mlp.up_proj):
             return cls(mlp, gate_up_q4=NVFP4Stack([mlp.gate_proj, mlp.up_proj]))
         return cls(mlp)
@@ -113,7 +113,7 @@ class FusedAttention:
             return cls(attn, qkv=qkv, tiled=(tiled_copy(qkv[0]), tiled_copy(o)) if tiled else (None, None),
                        invariant=invariant)
         if invariant:
-            raise ValueError("the batch-invariant layers take bf16 / fp32 projections only")
+            raise ValueError("the deterministic mode takes a target with bf16 / fp32 projections (its batch-invariant layers)")
         if _all_nvfp4(*projs):
             return cls(attn, qkv_q4=NVFP4Stack(list(projs)))
         return cls(attn)
