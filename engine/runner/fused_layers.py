@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from dspark_serve.kernels.gemv_bf16 import Norm
 
 MAX_TRITON_QUERY = 16  # fresh prompts longer than this attend with one SDPA, the rest with the paged kernel
+NOT_INVARIANT = "the deterministic mode takes a target with bf16 / fp32 projections (its batch-invariant layers)"
 
 
 def _invariant_attention():
@@ -54,11 +55,11 @@ class FusedMLP:
             gate_up = concat_as_views([mlp.gate_proj.weight, mlp.up_proj.weight])
             down = mlp.down_proj.weight if type(mlp.down_proj) is nn.Linear else None
             if invariant and down is None:
-                raise ValueError("the deterministic mode takes a target with bf16 / fp32 projections (its batch-invariant layers)")
+                raise ValueError(NOT_INVARIANT)
             copies = (tiled_copy(gate_up, swiglu=True), tiled_copy(down)) if tiled else (None, None)
             return cls(mlp, gate_up=gate_up, tiled=copies, invariant=invariant)
         if invariant:
-            raise ValueError("the deterministic mode takes a target with bf16 / fp32 projections (its batch-invariant layers)")
+            raise ValueError(NOT_INVARIANT)
         if _all_nvfp4(mlp.gate_proj, mlp.up_proj):
             return cls(mlp, gate_up_q4=NVFP4Stack([mlp.gate_proj, mlp.up_proj]))
         return cls(mlp)
@@ -113,7 +114,7 @@ class FusedAttention:
             return cls(attn, qkv=qkv, tiled=(tiled_copy(qkv[0]), tiled_copy(o)) if tiled else (None, None),
                        invariant=invariant)
         if invariant:
-            raise ValueError("the deterministic mode takes a target with bf16 / fp32 projections (its batch-invariant layers)")
+            raise ValueError(NOT_INVARIANT)
         if _all_nvfp4(*projs):
             return cls(attn, qkv_q4=NVFP4Stack(list(projs)))
         return cls(attn)
