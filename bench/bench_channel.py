@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--json")
     args = ap.parse_args()
-    ray.init(include_dashboard=False, log_to_driver=False, **({} if args.device == "cuda" else {
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, **({} if args.device == "cuda" else {
         "_node_ip_address": "127.0.0.1", "runtime_env": {"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}}))
     opts = {"num_cpus": 1, "max_concurrency": 4, **({"num_gpus": 1} if args.device == "cuda" else {})}
     rows = []

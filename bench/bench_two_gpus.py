@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [torch.randint(0, 151000, (200,), generator=g).tolist() for _ in range(args.prompts)]
     params = {"temperature": 0.0, "max_tokens": args.tokens, "ignore_eos": True}
     cpu = args.device == "cpu"
-    ray.init(include_dashboard=False, log_to_driver=False, **({"_node_ip_address": "127.0.0.1", "runtime_env": {
-        "env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}} if cpu else {}))
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, **({
+        "_node_ip_address": "127.0.0.1", "runtime_env": {"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}} if cpu else {}))
     gpus = ray.cluster_resources().get("GPU", 0)
     engine = EngineConfig.from_options(dict(target=target, draft=str(DEMO_DRAFTER),
                                             speculative_config=GPU_SPEC_CONFIG, device=args.device, **KV))

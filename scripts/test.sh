@@ -13,7 +13,7 @@ bash scripts/fetch_tokenizer.sh || echo "note: real Qwen3 tokenizer not fetched;
 [ -n "${DSPARK_SKIP_DEMO_TARGET:-}" ] || .venv/bin/dspark-serve fetch \
     || echo "note: demo target not fetched; the real-pair tests will skip"
 set +e
-.venv/bin/python -m pytest -q -rs "$@"
+.venv/bin/python -m pytest -q -rsfE "$@"
 rc=$?
 [ $rc -eq 5 ] && echo "pytest collected no tests: failing" >&2
 exit $rc

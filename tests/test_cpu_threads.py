@@ -17,7 +17,8 @@ from dspark_serve.engine.engine_config import EngineConfig
 
 @pytest.fixture(scope="module")
 def ray_local():
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -16,7 +16,7 @@ def test_pair_on_two_gpus_equals_local_engine(tmp_path):
     from dspark_serve.models.random_init import random_pair
 
     target, draft = random_pair(tmp_path, agree=0.002, block_size=6)
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
         pair = create_pair(PairConfig(EngineConfig(target=str(target), draft=str(draft), device="cuda",
                                                    num_kv_blocks=256, block_size=8)))
