@@ -23,22 +23,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import json
 import multiprocessing as mp
-import os
-import re
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from servers import ROOT, drain, start_serve, start_server, stop
+
 BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
 LAYOUT_FLAGS = {"default": [], "colocate": ["--colocate"], "split": ["--no-colocate"]}
 
 
@@ -302,31 +296,6 @@ def _line(r: dict) -> str:
 
 # -- servers -------------------------------------------------------------------------------------------------------
 
-def _env() -> dict:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
-
-
-def start_server(args: argparse.Namespace, flags: list[str]) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "dspark_serve.cluster.commands", "serve", "--target", args.target,
-           "--draft", args.draft, "--speculative-config", args.speculative_config, "--host", "127.0.0.1", "--port", "0",
-           "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(max(args.levels)), "--max-queue", str(4 * max(args.levels)), *flags]
-    cmd += ["--device", args.device] if args.device else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=_env())
-    log, end = [], time.monotonic() + args.start_timeout
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        log.append(line)
-        m = re.search(r"serving dspark.v1.Generation on (\S+:\d+)", line)
-        if m:
-            return proc, m.group(1)
-    stop(proc)
-    raise RuntimeError("the server did not start:\n" + "".join(log[-40:]))
-
-
 def serve_config(args: argparse.Namespace, folder: Path) -> Path:
     """deploy/serve.yaml, its application pointed at this pair on this machine."""
     import yaml
@@ -344,50 +313,6 @@ def serve_config(args: argparse.Namespace, folder: Path) -> Path:
     path = folder / "serve.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def start_serve(args: argparse.Namespace, config: Path) -> tuple[subprocess.Popen, str]:
-    from dspark_serve.cluster.grpc_client import DSparkClient
-
-    cmd = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(config)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=_env(), cwd=str(ROOT))
-    address = f"127.0.0.1:{yaml_port(config)}"
-    end = time.monotonic() + args.start_timeout
-    while time.monotonic() < end and proc.poll() is None:
-        c = DSparkClient(address, application="dspark")
-        try:
-            c.model_info()
-            return proc, address
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(2.0)
-        finally:
-            c.close()
-    stop(proc)
-    raise RuntimeError("serve run did not start:\n" + (proc.stdout.read() or "")[-4000:])
-
-
-def yaml_port(config: Path) -> int:
-    import yaml
-
-    return int(yaml.safe_load(config.read_text())["grpc_options"]["port"])
-
-
-def drain(proc: subprocess.Popen) -> collections.deque:
-    """Read the server's log on (its per-request lines would fill the pipe and stall it); the last lines kept."""
-    tail = collections.deque(maxlen=100)
-    threading.Thread(target=tail.extend, args=(proc.stdout,), daemon=True).start()
-    return tail
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT if "serve.scripts" in " ".join(proc.args) else signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 # -- the report ----------------------------------------------------------------------------------------------------
