@@ -29,6 +29,7 @@ from .recent_aborts import RecentAborts
 PAIR_TIMEOUT_S = 10.0  # a control call the pair does not answer in this long means it is gone
 INLINE_CHARS = 2048  # at light load, shorter texts are tokenized on the event loop (< ~0.5 ms), saving a thread hop
 UNAVAILABLE = "the model pair is unavailable; the request did not complete"
+REUSE_GRACE_S = 1.0  # how long a request waits for an earlier one with its id to end (a cancel not yet torn down)
 
 
 class GatewayError(Exception):
@@ -221,7 +222,7 @@ class GatewayCore:
         if len(self.live) + num_seqs > self.cfg.max_queue:
             raise GatewayError("RESOURCE_EXHAUSTED", f"queue full ({self.cfg.max_queue} requests); retry later")
         rid = req.request_id or secrets.token_hex(16)
-        if (caller, rid) in self.keys:
+        if (caller, rid) in self.keys and not await self._freed(caller, rid):
             raise GatewayError("ALREADY_EXISTS", f"request_id {rid!r} is already running")
         ended.request_id = rid
         if req.request_id and self.recent_aborts.take(caller, rid):
@@ -291,6 +292,14 @@ class GatewayCore:
             left = [key for key, d, live in zip(keys, done, lives) if not d and live.sent]
             if left and self.conn is not None:  # client gone, deadline, or error: free their blocks
                 self.conn.send(Abort(left))
+
+    async def _freed(self, caller: str, rid: str) -> bool:
+        """Whether the running request with this id ends within REUSE_GRACE_S: a client that cancels a stream and
+        sends its id again at once can reach this before the cancelled stream's teardown has run."""
+        end = time.monotonic() + REUSE_GRACE_S
+        while (caller, rid) in self.keys and time.monotonic() < end:
+            await asyncio.sleep(0.005)
+        return (caller, rid) not in self.keys
 
     def _open(self, key: str, stop: tuple[str, ...], params: dict, wake: asyncio.Event, score_only: bool) -> LiveSequence:
         """One sequence's entry in live, with its text options."""
