@@ -16,7 +16,7 @@ import time
 
 import jsonschema
 
-from servers import _env, drain, stop
+from servers import drain, launch, stop
 
 from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
 
@@ -43,18 +43,7 @@ def start(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
            args.draft, "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--served-model-name", "demo",
            "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-model-len", "2048"]
     cmd += ["--device", args.device] if args.device else []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=_env())
-    log, end = [], time.monotonic() + args.start_timeout
-    while time.monotonic() < end:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        log.append(line)
-        if "serving the OpenAI-compatible HTTP API on " in line:
-            return proc, line.rsplit(" on ", 1)[1].split()[0]
-    stop(proc)
-    raise RuntimeError("the server did not start:\n" + "".join(log[-40:]))
+    return launch(cmd, r"serving the OpenAI-compatible HTTP API on (\S+:\d+)", args.start_timeout)
 
 
 def checked(calls: list[tuple[str, str]]) -> int:

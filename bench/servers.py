@@ -28,15 +28,20 @@ def start_server(args: argparse.Namespace, flags: list[str]) -> tuple[subprocess
            "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(max(args.levels)), "--max-queue", str(4 * max(args.levels)), *flags]
     cmd += ["--device", args.device] if args.device else []
+    return launch(cmd, r"serving dspark.v1.Generation on (\S+:\d+)", args.start_timeout)
+
+
+def launch(cmd: list[str], pattern: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """Start a server; -> (its process, the first group of the first log line matching `pattern`)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=_env())
-    log, end = [], time.monotonic() + args.start_timeout
+    log, end = [], time.monotonic() + timeout_s
     while time.monotonic() < end:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
             break
         log.append(line)
-        m = re.search(r"serving dspark.v1.Generation on (\S+:\d+)", line)
+        m = re.search(pattern, line)
         if m:
             return proc, m.group(1)
     stop(proc)
