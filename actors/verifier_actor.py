@@ -273,6 +273,7 @@ class VerifierActor:
                 "requests_finished": c["requests_finished"], "tokens_generated": c["tokens_generated"],
                 "steps": c["steps"], "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1),
                 "draining": self._draining, "num_cuda_graphs": self.llm.num_cuda_graphs,
+                "num_kernel_compiles": self.llm.num_kernel_compiles,
                 "speculating": self.draft_state() in ("local", "remote")}
 
     def model_info(self) -> dict:

@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft", default=str(DEMO_DRAFTER))
     ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    ap.add_argument("--kernel-config", help="JSON of KernelConfig fields, for the servers (A/B runs)")
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-tokens", type=int, default=1500, help="the shared system prompt's length, about")

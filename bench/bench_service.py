@@ -155,13 +155,16 @@ def engine_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
     from dspark_serve.engine.llm import LLM
 
     llm = LLM(args.target, args.draft, args.speculative_config, device=args.device, max_num_seqs=max(args.levels),
-              num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len)
+              num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, kernel_config=args.kernel_config)
     rows = []
     for c in args.levels:
         for plain in (True, False):
             engine_run(llm, prompts[:c], c, args.max_tokens, plain)  # warm-up: this level's graph buckets
+            before = llm.num_kernel_compiles
             records, wall = engine_run(llm, prompts, c, args.max_tokens, plain)
             rows.append(_row("engine", c, plain, summarize(records, wall)))
+            rows[-1]["kernels_compiled_during"] = llm.num_kernel_compiles - before
+            rows[-1]["kernels_compiled_since_start"] = llm.num_kernel_compiles
     for rate in args.request_rates:
         offsets = arrivals(len(prompts), rate)
         for plain in (True, False):
@@ -186,6 +189,7 @@ async def _client(address: str, application: str | None, jobs: list[tuple], conc
 
     metadata = (("application", application),) if application else None
     async with grpc.aio.insecure_channel(address) as channel:
+        await asyncio.wait_for(channel.channel_ready(), 30)  # connected before the clock starts
         stub = dspark_pb2_grpc.GenerationStub(channel)
         queue, records = list(jobs), []
 
@@ -264,10 +268,13 @@ def served_rows(layout: str, address: str, application: str | None, args: argpar
     for c in args.levels:
         for plain in (True, False):
             load(address, application, prompts[:c], c, args.max_tokens, plain, args.client_procs)  # warm-up
-            graphs = stats.server_stats().num_cuda_graphs
+            before = stats.server_stats()
             records, wall = load(address, application, prompts, c, args.max_tokens, plain, args.client_procs)
             rows.append(_row(layout, c, plain, summarize(records, wall)))
-            rows[-1]["graphs_recorded_during"] = stats.server_stats().num_cuda_graphs - graphs
+            after = stats.server_stats()
+            rows[-1]["graphs_recorded_during"] = after.num_cuda_graphs - before.num_cuda_graphs
+            rows[-1]["kernels_compiled_during"] = after.num_kernel_compiles - before.num_kernel_compiles
+            rows[-1]["kernels_compiled_since_start"] = after.num_kernel_compiles
             print(_line(rows[-1]), flush=True)
     for rate in args.request_rates:
         offsets = arrivals(len(prompts), rate)
@@ -291,7 +298,9 @@ def _line(r: dict) -> str:
             f"{r['ttft_ms_p50']:8.2f} p99 {r['ttft_ms_p99']:8.2f} ms  TPOT p50 {r['tpot_ms_p50']:6.3f} p99 "
             f"{r['tpot_ms_p99']:6.3f} ms  goodput {r['goodput_req_s']:.2f} req/s ({r['goodput_frac']:.0%})  tau "
             f"{r['tau']:.2f}  channel {r['channel_ms_per_step']:.3f} ms/step  loop TTFT p50 {r['loop_ttft_ms_p50']:.2f} "
-            f"queue {r['queue_ms_p50']:.2f} ms  graphs +{r.get('graphs_recorded_during', 0)}  errors {r['errors']}")
+            f"queue {r['queue_ms_p50']:.2f} ms  graphs +{r.get('graphs_recorded_during', 0)}  kernels "
+            f"+{r.get('kernels_compiled_during', 0)} ({r.get('kernels_compiled_since_start', 0)} since start)  "
+            f"errors {r['errors']}")
 
 
 # -- servers -------------------------------------------------------------------------------------------------------
@@ -358,6 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft", default=str(DEMO_DRAFTER))
     ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+    ap.add_argument("--kernel-config", help="JSON of KernelConfig fields, for the engine and the servers (A/B runs)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--request-rates", type=float, nargs="*", default=[],
                     help="also Poisson arrivals at these rates (requests/s; vLLM's --request-rate)")

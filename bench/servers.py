@@ -28,6 +28,7 @@ def start_server(args: argparse.Namespace, flags: list[str]) -> tuple[subprocess
            "--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", str(args.max_model_len),
            "--max-num-seqs", str(max(args.levels)), "--max-queue", str(4 * max(args.levels)), *flags]
     cmd += ["--device", args.device] if args.device else []
+    cmd += ["--kernel-config", args.kernel_config] if getattr(args, "kernel_config", None) else []
     return launch(cmd, r"serving dspark.v1.Generation on (\S+:\d+)", args.start_timeout)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from dspark_serve.kernels.config import install as install_kernels
+from dspark_serve.kernels.jit_watch import WATCH
 from dspark_serve.models.draft_loader import load_draft
 from dspark_serve.models.dspark import DSparkDraft
 from dspark_serve.models.qwen import QwenForCausalLM
@@ -102,6 +103,7 @@ class LLM:
         spec, device, dtype = cfg.speculative_config, cfg.resolved_device(), cfg.torch_dtype()
         kernels = cfg.kernel_config(device)
         install_kernels(kernels)
+        WATCH.install()
         self.tokenizer = None
         if target_model is not None:
             target_model = target_model.to(device)
@@ -151,11 +153,13 @@ class LLM:
         self._streams: dict[str, tuple[list[int], TextStream, list[tuple] | None]] = {}
         self._queues: dict[str, asyncio.Queue] = {}  # generate_stream: request id -> its outputs
         self._loop_task: asyncio.Task | None = None
-        if cfg.warmup:
-            self.warm_up()
-        if self._costs is None and spec.enable_adaptive_verification and isinstance(draft_side, DraftSide):
-            self._costs = probe_costs(self.target, draft_side, max_num_seqs)
-            self.core.scheduler.policy = self._policy(draft_side)
+        with WATCH.warming():
+            if cfg.warmup:
+                self.warm_up()
+            if self._costs is None and spec.enable_adaptive_verification and isinstance(draft_side, DraftSide):
+                self._costs = probe_costs(self.target, draft_side, max_num_seqs)
+                self.core.scheduler.policy = self._policy(draft_side)
+        self._compiles_at_start = WATCH.count
         # Everything alive now (models, tokenizer, imported modules) leaves the cyclic collector's view, so that a
         # full collection during decoding does not walk it and stall a step.
         gc.collect()
@@ -210,6 +214,11 @@ class LLM:
                 self.generate_one(prompt, params, num_speculative_tokens=spec)
             log.info("recorded %d CUDA graphs and ran a warm-up generation in %.1f s", n, time.perf_counter() - t0)
         return n
+
+    @property
+    def num_kernel_compiles(self) -> int:
+        """Triton kernels compiled in this process since this engine's warm-up (each one stalled its steps)."""
+        return WATCH.count - self._compiles_at_start
 
     @property
     def num_cuda_graphs(self) -> int:

@@ -55,12 +55,18 @@ class TargetSide:
                                    self.capture_layers, survival_floor, capture=capture)
         kernels = self.runner.kernels
         self.prompts = PromptGraphs(self.runner, self.cache, self.block_size, trash, max_model_len,
-                                    self.capture_layers, capture, kernels.prompt_graph_work) \
+                                    self.capture_layers, capture, kernels.prompt_graph_work,
+                                    kernels.prompt_graph_max_prompts) \
             if kernels.prompt_graphs else None
 
     def warm_up(self, max_batch: int = 1) -> int:
-        """Record the decode/verify graphs of every batch bucket up to max_batch, and the prefill graphs, now;
-        -> how many."""
+        """Compile every attention config a batch can meet (eager prefill batches and graphs recorded later too),
+        record the decode/verify graphs of every batch bucket up to max_batch and the prefill graphs, now; -> how
+        many graphs."""
+        if self.device.type == "cuda" and not self.deterministic:  # the deterministic mode has one config
+            from dspark_serve.kernels.paged_attention_triton import warm_up as warm_attention
+            c = self.model.config
+            warm_attention(self.cache[0, 0], self.cache[0, 1], c.num_heads, self.cache.dtype)
         graphs = self.graphs.warm_up(max_batch) if self.graphs is not None else 0
         return graphs + (self.prompts.warm_up() if self.prompts is not None else 0)
 

@@ -66,6 +66,10 @@ class KernelConfig:
     # layer's weights stay within `prompt_graph_work` (inf: no limit).
     prompt_graphs: bool = True
     prompt_graph_work: float = 1.6e11
+    # Up to this many prompts of a prefill step replay their graphs one after another; more run eagerly as one batch.
+    # At the 0.5B demo target on an H100 a step of 1-4 prompts after a cached start took 3-7 ms through graphs and
+    # one of 5-20 prompts 20-30 ms eagerly (launch-bound), so graphs win up to about 8-12 prompts.
+    prompt_graph_max_prompts: int = 8
 
     def validate(self) -> None:
         for f in fields(self):
@@ -78,6 +82,10 @@ class KernelConfig:
         if not 0 <= self.dense_tiled_max_fraction <= 1:
             raise ValueError(f"kernel config dense_tiled_max_fraction must be in [0, 1], "
                              f"got {self.dense_tiled_max_fraction!r}")
+        if not isinstance(self.prompt_graph_max_prompts, int) or isinstance(self.prompt_graph_max_prompts, bool) \
+                or self.prompt_graph_max_prompts < 1:
+            raise ValueError("kernel config prompt_graph_max_prompts takes an int >= 1, got "
+                             f"{self.prompt_graph_max_prompts!r}")
         if not (isinstance(self.prompt_graph_work, (int, float)) and self.prompt_graph_work >= 0):  # refuses nan
             raise ValueError("kernel config prompt_graph_work takes a number >= 0 (padded prompt tokens x weights of "
                              f"one layer; inf: no limit), got {self.prompt_graph_work!r}")
@@ -133,6 +141,11 @@ def _parse(name: str, value: Any, annotation: str) -> Any:
     if not isinstance(value, str):
         return value
     text = value.strip().lower()
+    if annotation == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"kernel config {name} takes an integer, got {value!r}") from None
     if annotation == "float":
         try:
             return float(text)

@@ -54,7 +54,12 @@ def default_attention_config(num_reqs: int, num_kv_heads: int, group: int, head_
     return AttentionConfig(block_m, block_n, split, num_warps=warps)
 
 
-@triton.jit
+# Runtime ints that vary with the batch. Triton would otherwise specialise each on being 1 or a multiple of 16 and
+# compile a new kernel (hundreds of ms, every stream stalled) the first time a batch's value changes class.
+_VARYING = ["stride_bt", "W", "stride_ls", "max_seq_len", "m_tiles"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_ptr, lse_ptr,
                             stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, W,
                             stride_os, stride_ot, stride_oh, stride_ls, stride_lt, max_seq_len, qk_scale, m_tiles,
@@ -135,7 +140,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_pt
         tl.store(lse_ptr + sid * stride_ls + tok * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ls"])
 def _combine_kernel(part_ptr, lse_ptr, out_ptr, stride_ps, stride_pt, stride_ls, stride_lt, stride_ot,
                     H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, SPLIT_PAD: tl.constexpr,
                     PDL: tl.constexpr):
@@ -215,3 +220,23 @@ def paged_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: At
                                                  lse.stride(1), out.stride(0), H=num_heads, D=head_dim, SPLIT=split,
                                                  SPLIT_PAD=triton.next_power_of_2(split), PDL=on, **opts)
     return out
+
+
+def warm_up(k_cache: Tensor, v_cache: Tensor, num_heads: int, dtype: torch.dtype, causal: bool = True) -> int:
+    """Compile now every (row tile, key split) that default_attention_config can choose for these caches: with the
+    kernel's varying ints unspecialised, a batch met while serving then compiles nothing. Runs over block 0 (reads
+    only); -> the configs run."""
+    group, head_dim = num_heads // k_cache.shape[2], k_cache.shape[3]
+    dev, n = k_cache.device, 0
+    for block_m in (16, 32, 64):
+        q_len = max(1, block_m // (2 * group) + 1)  # rows in (block_m / 2, block_m], as the config would pick
+        q = torch.zeros(q_len, num_heads, head_dim, dtype=dtype, device=dev)
+        meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, q_len], device=dev),
+                                 seq_lens=torch.tensor([q_len], device=dev),
+                                 slot_mapping=torch.zeros(q_len, dtype=torch.int64, device=dev),
+                                 block_table=torch.zeros(1, 1, dtype=torch.int64, device=dev),
+                                 max_query_len=q_len, max_seq_len=q_len, causal=causal)
+        for split in (1, 2, 4, 8, 16):
+            paged_attention_triton(q, k_cache, v_cache, meta, 1.0, AttentionConfig(block_m, 32, split))
+            n += 1
+    return n

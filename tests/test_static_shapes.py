@@ -95,7 +95,7 @@ def test_static_verify_logits_and_features_match_dynamic():
     assert torch.allclose(sides[0].cache[:, :, :live], sides[1].cache[:, :, :live], atol=1e-6)
 
 
-@pytest.mark.parametrize("lens", [[1, 32, 47], [30, 2, 9, 17, 5]])
+@pytest.mark.parametrize("lens", [[1, 32, 47], [30, 2, 9, 17, 5], [3, 30, 2, 9, 17, 5, 40, 1, 8]])
 def test_prompt_graphs_match_dynamic_prefill(lens):
     target, draft = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
     sides = [TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids) for _ in range(2)]
@@ -112,8 +112,10 @@ def test_prompt_graphs_match_dynamic_prefill(lens):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     live = sides[0].num_blocks  # the prompts' K/V, the padding's in the trash block only
     torch.testing.assert_close(sides[1].cache[:, :, :live], sides[0].cache[:, :, :live], atol=1e-5, rtol=1e-5)
-    built = set(sides[1].prompts._runners)
-    assert built == ({(32, 0), (48, 0)} if len(lens) <= 4 else set())  # five prompts run eagerly as one batch
+    built, graphs = set(sides[1].prompts._runners), sides[1].prompts
+    assert graphs.max_prompts == 8
+    want = {(32 if n <= 32 else 48, 0) for n in lens} if len(lens) <= graphs.max_prompts else set()
+    assert built == want  # nine prompts run eagerly as one batch
 
 
 def test_context_graphs_continue_prompts_after_a_cached_start_as_the_dynamic_prefill_does():

@@ -5,8 +5,8 @@ prefix cache's blocks, or the earlier chunks of a long prompt) over its cached k
 The new tokens are padded at their end to a length bucket; under causal attention no real token sees the padding,
 whose K/V go to the trash slot. A prompt with a cached start also has a context bucket (its keys: cached and new),
 and its start is an input of the graph. The graph returns the last real token's logits and every new token's
-features. Several prompts (up to MAX_PROMPTS) replay one graph each, one after another; more run eagerly as one
-batch. On CPU the same static path runs eagerly: that is what the CPU tests compare with the dynamic path.
+features. Several prompts (up to KernelConfig.prompt_graph_max_prompts) replay one graph each, one after another;
+more run eagerly as one batch. On CPU the same static path runs eagerly: that is what the CPU tests compare with the dynamic path.
 
 Graphs pay off while the prefill is launch-bound. An eager prefill costs about one host launch time per layer
 whatever its length (Qwen3-8B shapes on an H200: 26-28 ms up to 1000 tokens), a graph the device time of its padded
@@ -34,7 +34,6 @@ from .staging import Layout, Staging
 from .target_runner import TargetRunner
 
 PROMPT_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # padding wastes < 1.5x
-MAX_PROMPTS = 4  # prompts prefilled one graph each; a larger batch runs eagerly at once
 WARM_QUERY = 128  # new tokens after a cached start whose graphs warm_up records
 
 
@@ -59,9 +58,11 @@ def layer_weights(config: ModelConfig) -> int:
 class PromptGraphs:
     def __init__(self, runner: TargetRunner, cache: Tensor, block_size: int, trash_slot: int,
                  max_model_len: int, capture_layers: tuple[int, ...] = (), capture: bool | None = None,
-                 max_work: float = KernelConfig.prompt_graph_work) -> None:
+                 max_work: float = KernelConfig.prompt_graph_work,
+                 max_prompts: int = KernelConfig.prompt_graph_max_prompts) -> None:
         self.runner, self.cache, self.block_size, self.trash = runner, cache, block_size, trash_slot
         self.max_work = max_work  # padded tokens x one layer's weights
+        self.max_prompts = max_prompts
         self.capture_layers, self.device = capture_layers, cache.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.max_model_len = max_model_len
@@ -91,7 +92,7 @@ class PromptGraphs:
     def takes(self, starts: list[int], lens: list[int]) -> bool:
         """Whether run() takes these sequences: few enough, each within the buckets, their padded tokens
         launch-bound (`max_work`)."""
-        if not 0 < len(lens) <= MAX_PROMPTS or any(self._shape(s, n) is None for s, n in zip(starts, lens)):
+        if not 0 < len(lens) <= self.max_prompts or any(self._shape(s, n) is None for s, n in zip(starts, lens)):
             return False
         return sum(bucket(n, self.lengths) for n in lens) * self.layer_weights <= self.max_work
 

@@ -292,7 +292,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "free_target_blocks", "total_target_blocks", "free_draft_blocks", "total_draft_blocks", "requests_finished", "tokens_generated", "mean_acceptance_length", "steps", "draining", "num_cuda_graphs", "speculating", "finished_by_reason")
+    __slots__ = ("num_running", "num_waiting", "free_target_blocks", "total_target_blocks", "free_draft_blocks", "total_draft_blocks", "requests_finished", "tokens_generated", "mean_acceptance_length", "steps", "draining", "num_cuda_graphs", "speculating", "finished_by_reason", "num_kernel_compiles")
     class FinishedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +314,7 @@ class ServerStats(_message.Message):
     NUM_CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     SPECULATING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_KERNEL_COMPILES_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     free_target_blocks: int
@@ -328,4 +329,5 @@ class ServerStats(_message.Message):
     num_cuda_graphs: int
     speculating: bool
     finished_by_reason: _containers.ScalarMap[str, int]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_target_blocks: _Optional[int] = ..., total_target_blocks: _Optional[int] = ..., free_draft_blocks: _Optional[int] = ..., total_draft_blocks: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., steps: _Optional[int] = ..., draining: _Optional[bool] = ..., num_cuda_graphs: _Optional[int] = ..., speculating: _Optional[bool] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    num_kernel_compiles: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_target_blocks: _Optional[int] = ..., total_target_blocks: _Optional[int] = ..., free_draft_blocks: _Optional[int] = ..., total_draft_blocks: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., steps: _Optional[int] = ..., draining: _Optional[bool] = ..., num_cuda_graphs: _Optional[int] = ..., speculating: _Optional[bool] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ..., num_kernel_compiles: _Optional[int] = ...) -> None: ...
