@@ -55,8 +55,12 @@ class DraftSide:
                                   capture_graphs=capture)
 
     def warm_up(self, max_batch: int = 1) -> int:
-        """Record the graphs (greedy and sampling, every context bucket) of every batch bucket up to max_batch
-        now; -> how many."""
+        """Compile every config of the block's attention, record the graphs (greedy and sampling, every context
+        bucket) of every batch bucket up to max_batch now; -> how many graphs."""
+        if self.device.type == "cuda":
+            from dspark_serve.kernels.paged_attention_triton import warm_up as warm_attention
+            c = self.model.config.layers
+            warm_attention(self.cache[0, 0], self.cache[0, 1], c.num_heads, self.cache.dtype, causal=False)
         return self.graphs.warm_up(max_batch) if self.graphs is not None else 0
 
     @property
