@@ -61,7 +61,22 @@ class DraftSide:
             from dspark_serve.kernels.paged_attention_triton import warm_up as warm_attention
             c = self.model.config.layers
             warm_attention(self.cache[0, 0], self.cache[0, 1], c.num_heads, self.cache.dtype, causal=False)
+            self.warm_context_writes()
         return self.graphs.warm_up(max_batch) if self.graphs is not None else 0
+
+    CONTEXT_WRITE_ROWS = (1, 2, 9, 16, 17, 32, 63, 64, 65, 128, 200)  # each row-count class its own kernel or spec
+
+    @torch.inference_mode()
+    def warm_context_writes(self) -> None:
+        """A step's context write takes any number of new rows, and its GEMV / GEMM picks a kernel, a config and
+        Triton's specialisation of M (1, a multiple of 16, other) by that number: run one write of each class now,
+        to no cache slot, so that no step compiles one."""
+        width = self.model.config.context_dim
+        for t in self.CONTEXT_WRITE_ROWS:
+            rows = torch.zeros(t, width, device=self.device, dtype=self.cache.dtype)
+            nowhere = torch.full((t,), -1, dtype=torch.int64, device=self.device)
+            self.runner.write_context(rows, torch.zeros(t, dtype=torch.int64, device=self.device), nowhere,
+                                      self.cache)
 
     @property
     def query_len(self) -> int:

@@ -67,10 +67,8 @@ class KernelConfig:
     prompt_graphs: bool = True
     prompt_graph_work: float = 1.6e11
     # Up to this many prompts of a prefill step replay their graphs one after another; more run eagerly as one batch.
-    # At the 0.5B demo target on an H100 a step of 1-4 prompts after a cached start took 3-7 ms through graphs (about
-    # 1.6 ms more a prompt) and one of 5-20 prompts 20-30 ms eagerly (launch-bound); 8 is inside the range where the
-    # graphs should stay ahead (a step of 8 through graphs is not timed yet).
-    prompt_graph_max_prompts: int = 8
+    # Served at c = 64 on an H100 (real demo pair, alternated runs) 8 gave 5-7 % fewer tokens/s than 4.
+    prompt_graph_max_prompts: int = 4
 
     def validate(self) -> None:
         for f in fields(self):

@@ -113,9 +113,9 @@ def test_prompt_graphs_match_dynamic_prefill(lens):
     live = sides[0].num_blocks  # the prompts' K/V, the padding's in the trash block only
     torch.testing.assert_close(sides[1].cache[:, :, :live], sides[0].cache[:, :, :live], atol=1e-5, rtol=1e-5)
     built, graphs = set(sides[1].prompts._runners), sides[1].prompts
-    assert graphs.max_prompts == 8
+    assert graphs.max_prompts == 4
     want = {(32 if n <= 32 else 48, 0) for n in lens} if len(lens) <= graphs.max_prompts else set()
-    assert built == want  # nine prompts run eagerly as one batch
+    assert built == want  # five or nine prompts run eagerly as one batch
 
 
 def test_context_graphs_continue_prompts_after_a_cached_start_as_the_dynamic_prefill_does():
@@ -346,3 +346,18 @@ def test_warm_up_records_every_batch_bucket_up_to_a_context(monkeypatch):
                                          for split in ((False, True) if b > 1 else (False,))}
     assert set(dside.graphs._runners) == {(b, c, q) for b in (1, 2, 4) for c in dside.graphs.buckets.context
                                           for q in (False, True) if b == 1 or c == 256}
+
+
+def test_context_write_warm_up_runs_every_row_count_and_writes_nowhere():
+    """DraftSide.warm_context_writes (run at warm-up on CUDA, so no step compiles a context-write kernel) over
+    every row count it lists: each write goes to no cache slot."""
+    from dspark_serve.engine.draft_side import DraftSide
+    from dspark_serve.engine.spec_config import SpeculativeConfig
+
+    _, draft = tiny_pair(seed=2, agree=0.01, block_size=4, dtype=torch.float32)
+    side = DraftSide(draft, 64, 8, SpeculativeConfig(dspark_draft_topk=8), 256)
+    side.cache.normal_()
+    before = side.cache.clone()
+    side.warm_context_writes()
+    assert max(side.CONTEXT_WRITE_ROWS) > 128 and {1, 16, 17, 64}.issubset(side.CONTEXT_WRITE_ROWS)
+    assert torch.equal(side.cache, before)
