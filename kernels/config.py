@@ -67,7 +67,7 @@ class KernelConfig:
     prompt_graphs: bool = True
     prompt_graph_work: float = 1.6e11
     # Up to this many prompts of a prefill step replay their graphs one after another; more run eagerly as one batch.
-    # Served at c = 64 on an H100 (real demo pair, alternated runs) 8 gave 5-7 % fewer tokens/s than 4.
+    # Served at c = 64 on an H100 (real demo pair, alternated runs) 8 gave 5-6 % fewer tokens/s than 4.
     prompt_graph_max_prompts: int = 4
 
     def validate(self) -> None:
