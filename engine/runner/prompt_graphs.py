@@ -6,7 +6,8 @@ The new tokens are padded at their end to a length bucket; under causal attentio
 whose K/V go to the trash slot. A prompt with a cached start also has a context bucket (its keys: cached and new),
 and its start is an input of the graph. The graph returns the last real token's logits and every new token's
 features. Several prompts (up to KernelConfig.prompt_graph_max_prompts) replay one graph each, one after another;
-more run eagerly as one batch. On CPU the same static path runs eagerly: that is what the CPU tests compare with the dynamic path.
+more run eagerly as one batch. On CPU the same static path runs eagerly: that is what the CPU tests compare with the
+dynamic path.
 
 Graphs pay off while the prefill is launch-bound. An eager prefill costs about one host launch time per layer
 whatever its length (Qwen3-8B shapes on an H200: 26-28 ms up to 1000 tokens), a graph the device time of its padded
