@@ -30,14 +30,19 @@ FIXED = (1, 3, 7)
 
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams, k: int | None) -> dict:
-    """Every prompt at once (k: pinned drafts a step, None: the policy) -> tok/s, tau and the verified lengths."""
+    """Every prompt at once (k: pinned drafts a step, 0: the speculative engine decoding plainly, None: the policy)
+    -> tok/s, tau, the verified lengths and each step's wall ms with the rows that got tokens in it."""
     sync = torch.cuda.synchronize if llm.target.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     ids = [llm.add_request(p, params, num_speculative_tokens=k) for p in prompts]
-    done = {}
+    done, walls, last = {}, [], t0
     while len(done) < len(ids):
-        done.update({o.request_id: o for o in llm.step() if o.finished})
+        outs = llm.step()
+        done.update({o.request_id: o for o in outs if o.finished})
+        now = time.perf_counter()
+        walls.append((round((now - last) * 1e3, 3), sum(len(o.new_token_ids) for o in outs)))
+        last = now
     sync()
     secs = time.perf_counter() - t0
     outs = [done[i] for i in ids]
@@ -45,7 +50,7 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams, k: int | None) -> 
     accepted = sum(o.stats["accepted"] for o in outs)
     lengths = Counter(n for o in outs for n in o.stats.get("verified_per_step", []))
     return {"tok_s": sum(len(o.token_ids) for o in outs) / secs, "tau": (accepted + steps) / max(steps, 1),
-            "verified": dict(sorted(lengths.items())), "tokens": [o.token_ids for o in outs]}
+            "verified": dict(sorted(lengths.items())), "tokens": [o.token_ids for o in outs], "walls": walls}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -58,7 +63,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
     ap.add_argument("--device")
-    ap.add_argument("--configs", nargs="+", help="a subset of plain adaptive k1 k3 k7 (default: all)")
+    ap.add_argument("--configs", nargs="+", help="a subset of plain adaptive k0 k1 k3 k7 (default: all but k0, the "
+                    "speculative engine with every request pinned at no drafts)")
+    ap.add_argument("--trace", help="write each level's last adaptive run step by step here (JSON): each step's wall "
+                    "ms and tokens, what the policy was told of each decode step and its host and rate estimates")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     seqs = max(args.levels)
@@ -74,8 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"engines built in {result['build_s']:.1f} s; step costs: {json.dumps(result['step_costs'])}", flush=True)
     pool = [CHAT_TEMPLATE.format(t) for t in read_prompt_texts(PROMPTS / "heldout_code.jsonl")]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    configs = [("plain", plain, None), ("adaptive", spec, None)] + [(f"k{k}", spec, k) for k in FIXED]
-    configs = [c for c in configs if args.configs is None or c[0] in args.configs]
+    configs = [("plain", plain, None), ("adaptive", spec, None), ("k0", spec, 0)] + [(f"k{k}", spec, k) for k in FIXED]
+    configs = [c for c in configs if (c[0] != "k0" if args.configs is None else c[0] in args.configs)]
+    policy, told, traces = spec.scheduler.policy, [], []
+    if args.trace and policy is not None:
+        timed = policy.timed
+        policy.timed = lambda *a, **kw: (told.append([*a, *kw.values()]), timed(*a, **kw))[1]
     for c in args.levels:
         prompts = [pool[i % len(pool)] for i in range(c)]
         for _, llm, k in configs:  # warm-up: every bucket of this level recorded, the policy's estimates primed
@@ -83,7 +95,14 @@ def main(argv: list[str] | None = None) -> dict:
         rows: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
         for _ in range(args.rounds):
             for name, llm, k in configs:
-                rows[name].append(run(llm, prompts, params, k))
+                told.clear()
+                rows[name].append(run(llm, prompts, params, k) | {"told": list(told)})
+        if args.trace and policy is not None and "adaptive" in rows:
+            traces.append({"concurrency": c, "walls": rows["adaptive"][-1]["walls"], "told": rows["adaptive"][-1]["told"],
+                           "host_ms": [[*k, v] for k, v in policy._host.items()],
+                           "rate": [[*k, v] for k, v in policy._rate.items()],
+                           "plain_faster": sorted(policy._plain_faster())})
+            Path(args.trace).write_text(json.dumps(traces))
         level = {"concurrency": c}
         for name, runs in rows.items():
             level[name] = {"tok_s": [r["tok_s"] for r in runs], "tau": runs[-1]["tau"],
