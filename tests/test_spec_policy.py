@@ -271,3 +271,17 @@ def test_explorations_back_off_while_plain_steps_stay_faster():
     assert plain_runs[0] <= 2 * EXPLORE_EVERY and plain_runs[-1] == MAX_EXPLORE_EVERY, plain_runs
     assert plain_runs == sorted(plain_runs)
     assert sum(b > 0 for b in budgets[200:]) <= 3 * (200 // MAX_EXPLORE_EVERY + 1)
+
+
+def test_the_server_wide_estimate_outlives_a_wave_s_slowest_requests():
+    """A full batch accepting most drafts, then the wave's last steps with two requests accepting none: a new
+    request's expected survival stays near the batch's, not the stragglers'."""
+    batch, tail = _reqs(128), _reqs(2)
+    policy = SpecPolicy(4, True)
+    for _ in range(20):
+        policy.observe(batch, [4] * 128, [3] * 128, [[0.8] * 4] * 128)
+    for _ in range(10):
+        policy.observe(tail, [4, 4], [0, 0], [[0.8] * 4] * 2)
+    fresh = _reqs(1)
+    view = policy.view(fresh)
+    assert view.survival[0, 0] > 0.85 and view.survival[0, 2] > 0.6

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..request import Request
 
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the server-wide correction behind each request's own
-DECAY = 0.97  # weight of older observations per new one, so the estimates follow a changing text
+DECAY = 0.97  # weight of older observations per step that adds some, so the estimates follow a changing text
 NO_HEAD_PRIOR = 0.6  # conditional acceptance assumed per position before anything is measured (no confidence head)
 EXPLORE_EVERY = 16  # steps without a draft after which one drafts anyway, so the estimates keep up with the text
 MAX_EXPLORE_EVERY = 64  # the gap doubles up to this while each exploration finds plain steps still faster there
@@ -241,7 +241,9 @@ class SpecPolicy:
         obs = np.stack([reached, hit, reached * pred], 1).astype(float)  # [R', 3, N]
         counts = self._counts[rows]
         self._counts[rows] = np.where(reached[:, None, :], counts * DECAY + obs, counts)
-        self._global = self._global * DECAY ** reached.sum(0) + obs.sum(0)
+        # the server-wide estimate ages by steps, not rows: at 128 rows a step a per-row decay would keep little
+        # more than the last step, and the last steps of a wave are its slowest requests'
+        self._global = self._global * np.where(reached.any(0), DECAY, 1.0) + obs.sum(0)
 
     def stepped(self, drafted: bool) -> None:
         """A decode step ended; it drafted or not."""
