@@ -1,10 +1,13 @@
 """A batch-invariant matmul for the deterministic mode: y = x @ w^T (+ bias), each output row computed the same way
 whatever the other rows are, so a row's result is bit-equal at M = 1 and in a batch of any size.
 
-One tile shape for every M (BLOCK_M x BLOCK_N output tiles, K walked in BLOCK_K steps in order, fp32 accumulation,
-no split-K): a row's dot products see the same operands in the same order and the same tensor-core instruction
-whichever tile and batch hold it; other rows only fill the tile's other lanes. cuBLAS and the GEMVs pick their
-kernels and reduction splits by M, which is what makes a row's bits depend on its batch. The reference is F.linear
+One tile shape for every M (BLOCK_M x BLOCK_N output tiles, K walked in BLOCK_K steps in order, fp32 accumulation):
+a row's dot products see the same operands in the same order and the same tensor-core instruction whichever tile
+and batch hold it; other rows only fill the tile's other lanes. cuBLAS and the GEMVs pick their kernels and
+reduction splits by M, which is what makes a row's bits depend on its batch. A long K is split by K alone (pieces
+of k_split, each walked as above into an fp32 partial, the partials then summed in order by a second kernel): the
+split gives a decode row's few output tiles enough programs to fill the GPU, and since it never depends on M, a
+row's bits still do not either. The reference is F.linear
 (equal up to rounding): `tests/test_matmul_invariant.py` checks both and the invariance under the CPU interpreter,
 `tests/gpu/test_matmul_invariant_gpu.py` on the GPU's tensor cores.
 
@@ -25,6 +28,7 @@ class InvariantConfig:
     block_m: int = 16   # the rows a program holds (a decode row wastes the rest; every M uses the same tiles)
     block_n: int = 32   # output columns a program holds: small Ns still fill the GPU at one row
     block_k: int = 128
+    k_split: int = 1024  # K longer than this is walked in pieces of this many (a multiple of block_k)
     num_warps: int = 4
     num_stages: int = 4
 
@@ -33,17 +37,18 @@ CONFIG = InvariantConfig()
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, m_tiles,
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, m_tiles, splits, K_SPLIT,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_F32: tl.constexpr, ROW_SUM: tl.constexpr):
     pid = tl.program_id(0)
-    pid_m, pid_n = pid % m_tiles, pid // m_tiles                               # M tiles of one weight tile in a row
+    pid_m, rest = pid % m_tiles, pid // m_tiles                                # M tiles of one weight tile in a row
+    pid_s, pid_n = rest % splits, rest // splits                               # then the K pieces of that tile
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                               # [BM]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
     rk = tl.arange(0, BLOCK_K)                                                 # [BK]
     m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(pid_s * K_SPLIT, tl.minimum(K, (pid_s + 1) * K_SPLIT), BLOCK_K):
         k_ok = k0 + rk < K
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)            # [BM, BK]
@@ -59,8 +64,22 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
             acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptr += pid_s.to(tl.int64) * M * stride_ym                                 # a split's partial [M, N] (fp32)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, total, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum of the partials [S, M*N] in split order (+ bias), each element alone."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)         # [B] flat (row, column)
+    ok = offs < total
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(p_ptr + s * total + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def matmul_invariant(x: Tensor, w: Tensor, bias: Tensor | None = None, out_dtype: torch.dtype | None = None,
@@ -78,11 +97,19 @@ def matmul_invariant(x: Tensor, w: Tensor, bias: Tensor | None = None, out_dtype
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    m_tiles = triton.cdiv(m, config.block_m)
-    grid = (m_tiles * triton.cdiv(n, config.block_n),)
-    _matmul_kernel[grid](x, w, bias if bias is not None else w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                         m_tiles, HAS_BIAS=bias is not None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    if config.k_split % config.block_k:
+        raise ValueError(f"k_split ({config.k_split}) must be a multiple of block_k ({config.block_k})")
+    m_tiles, splits = triton.cdiv(m, config.block_m), triton.cdiv(k, config.k_split)
+    part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (m_tiles * splits * triton.cdiv(n, config.block_n),)
+    _matmul_kernel[grid](x, w, bias if bias is not None and splits == 1 else w, part, m, n, k, x.stride(0),
+                         w.stride(0), n, m_tiles, splits, config.k_split,
+                         HAS_BIAS=bias is not None and splits == 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                          BLOCK_K=config.block_k,
                          DOT_F32=x.dtype == torch.float32 or w.dtype == torch.float32, ROW_SUM=not x.is_cuda,
                          num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, bias if bias is not None else part, y, m * n, n,
+                                                         splits, HAS_BIAS=bias is not None, BLOCK=block)
     return y

@@ -147,6 +147,10 @@ def test_invariant_matmul_compiles(monkeypatch, bias, out_dtype):
     x = torch.randn(5, 300).bfloat16()
     assert compile_launches(monkeypatch, mi, ("_matmul_kernel",), lambda: mi.matmul_invariant(x, w, b, out_dtype),
                             {"ROW_SUM": False, "DOT_F32": False}) == {"_matmul_kernel": 1}
+    w, x = torch.randn(96, 1300).bfloat16(), torch.randn(5, 1300).bfloat16()  # K in two pieces, then their sum
+    assert compile_launches(monkeypatch, mi, ("_matmul_kernel", "_sum_splits_kernel"),
+                            lambda: mi.matmul_invariant(x, w, b, out_dtype),
+                            {"ROW_SUM": False, "DOT_F32": False}) == {"_matmul_kernel": 1, "_sum_splits_kernel": 1}
 
 
 def _first(ptx: str, *ops: str) -> int:

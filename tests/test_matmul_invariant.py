@@ -1,6 +1,8 @@
 """The batch-invariant matmul under the CPU interpreter: equal to F.linear up to rounding, and a row's result
 bit-equal at M = 1, 7, 8, 16, 64 wherever it sits in the batch. Reruns itself with TRITON_INTERPRET=1."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,26 +14,29 @@ if not INTERPRETED:
 else:
     import torch.nn.functional as F
 
-    from dspark_serve.kernels.matmul_invariant import matmul_invariant
+    from dspark_serve.kernels.matmul_invariant import CONFIG, matmul_invariant
 
     SIZES = (1, 7, 8, 16, 64)
+    SPLIT = replace(CONFIG, k_split=128)  # K = 200 / 300 in 2 / 3 pieces, summed by the second kernel
 
-    @pytest.mark.parametrize("n,k,bias", [(40, 200, True), (96, 128, False)])
-    def test_matches_linear(n, k, bias):
+    @pytest.mark.parametrize("n,k,bias,config", [(40, 200, True, CONFIG), (96, 128, False, CONFIG),
+                                                 (40, 200, True, SPLIT), (24, 300, False, SPLIT)])
+    def test_matches_linear(n, k, bias, config):
         g = torch.Generator().manual_seed(0)
         x, w = torch.randn(9, k, generator=g), torch.randn(n, k, generator=g)
         b = torch.randn(n, generator=g) if bias else None
-        torch.testing.assert_close(matmul_invariant(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(matmul_invariant(x, w, b, config=config), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    def test_a_row_is_bit_equal_in_every_batch(dtype):
+    @pytest.mark.parametrize("dtype,config", [(torch.float32, CONFIG), (torch.bfloat16, CONFIG),
+                                              (torch.bfloat16, SPLIT)])
+    def test_a_row_is_bit_equal_in_every_batch(dtype, config):
         g = torch.Generator().manual_seed(1)
         x = torch.randn(64, 300, generator=g).to(dtype)
         w, b = torch.randn(72, 300, generator=g).to(dtype), torch.randn(72, generator=g).to(dtype)
-        alone = torch.cat([matmul_invariant(x[i:i + 1], w, b) for i in range(64)])     # [64, 72], a row at a time
+        alone = torch.cat([matmul_invariant(x[i:i + 1], w, b, config=config) for i in range(64)])  # [64, 72]
         for m in SIZES[1:]:
             for start in (0, 64 - m):                                                    # rows at other tile lanes
-                got = matmul_invariant(x[start:start + m], w, b)
+                got = matmul_invariant(x[start:start + m], w, b, config=config)
                 assert torch.equal(got, alone[start:start + m]), (dtype, m, start)
 
     def test_bad_shapes_name_them():
