@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["0.5b", "8b"])
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 8, 64, 512])
-    ap.add_argument("--k-split", type=int, nargs="+", default=[CONFIG.k_split, 0])
+    ap.add_argument("--k-split", type=int, nargs="+", default=[1024, 0])
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = []
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row = {"model": model, "proj": name, "n": n, "k": k, "m": m,
                        "cublas_us": time_us(lambda: F.linear(x, w))}
                 for s in args.k_split:
-                    cfg = replace(CONFIG, k_split=s if s > 0 else 1 << 30)
+                    cfg = replace(CONFIG, k_split=s)
                     row[f"split{s}_us"] = time_us(lambda: matmul_invariant(x, w, config=cfg))
                 rows.append(row)
                 print(f"{model:>5} {name:>8} {n:>6}x{k:<5} M={m:<4} cuBLAS {row['cublas_us']:8.1f} us  "

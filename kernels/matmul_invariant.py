@@ -4,10 +4,10 @@ whatever the other rows are, so a row's result is bit-equal at M = 1 and in a ba
 One tile shape for every M (BLOCK_M x BLOCK_N output tiles, K walked in BLOCK_K steps in order, fp32 accumulation):
 a row's dot products see the same operands in the same order and the same tensor-core instruction whichever tile
 and batch hold it; other rows only fill the tile's other lanes. cuBLAS and the GEMVs pick their kernels and
-reduction splits by M, which is what makes a row's bits depend on its batch. A long K is split by K alone (pieces
-of k_split, each walked as above into an fp32 partial, the partials then summed in order by a second kernel): the
-split gives a decode row's few output tiles enough programs to fill the GPU, and since it never depends on M, a
-row's bits still do not either. The reference is F.linear
+reduction splits by M, which is what makes a row's bits depend on its batch. With `k_split` a long K is split by K
+alone (pieces of k_split, each walked as above into an fp32 partial, the partials then summed in order by a second
+kernel), which gives a decode row's few output tiles more programs; since the split never depends on M, a row's
+bits still do not either. It is off by default: bench/bench_matmul_invariant.py compares it with the whole K. The reference is F.linear
 (equal up to rounding): `tests/test_matmul_invariant.py` checks both and the invariance under the CPU interpreter,
 `tests/gpu/test_matmul_invariant_gpu.py` on the GPU's tensor cores.
 
@@ -28,7 +28,7 @@ class InvariantConfig:
     block_m: int = 16   # the rows a program holds (a decode row wastes the rest; every M uses the same tiles)
     block_n: int = 32   # output columns a program holds: small Ns still fill the GPU at one row
     block_k: int = 128
-    k_split: int = 1024  # K longer than this is walked in pieces of this many (a multiple of block_k)
+    k_split: int = 0  # > 0: K longer than this is walked in pieces of this many (a multiple of block_k); 0: whole
     num_warps: int = 4
     num_stages: int = 4
 
@@ -39,16 +39,20 @@ CONFIG = InvariantConfig()
 @triton.jit
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, m_tiles, splits, K_SPLIT,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_F32: tl.constexpr, ROW_SUM: tl.constexpr):
+                   DOT_F32: tl.constexpr, ROW_SUM: tl.constexpr, SPLIT: tl.constexpr):
     pid = tl.program_id(0)
-    pid_m, rest = pid % m_tiles, pid // m_tiles                                # M tiles of one weight tile in a row
-    pid_s, pid_n = rest % splits, rest // splits                               # then the K pieces of that tile
+    pid_m, pid_n = pid % m_tiles, pid // m_tiles                               # M tiles of one weight tile in a row
+    k_start, k_end = 0, K
+    if SPLIT:                                                                  # then the K pieces of that tile
+        pid_s, pid_n = pid_n % splits, pid_n // splits
+        k_start, k_end = pid_s * K_SPLIT, tl.minimum(K, (pid_s + 1) * K_SPLIT)
+        y_ptr += pid_s.to(tl.int64) * M * stride_ym                             # its partial [M, N] (fp32)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                               # [BM]
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                               # [BN]
     rk = tl.arange(0, BLOCK_K)                                                 # [BK]
     m_ok, n_ok = rm < M, rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(pid_s * K_SPLIT, tl.minimum(K, (pid_s + 1) * K_SPLIT), BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k_ok = k0 + rk < K
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + (k0 + rk)[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)            # [BM, BK]
@@ -64,7 +68,6 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
             acc += tl.dot(x, tl.trans(w))
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    y_ptr += pid_s.to(tl.int64) * M * stride_ym                                 # a split's partial [M, N] (fp32)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -99,15 +102,16 @@ def matmul_invariant(x: Tensor, w: Tensor, bias: Tensor | None = None, out_dtype
         return y
     if config.k_split % config.block_k:
         raise ValueError(f"k_split ({config.k_split}) must be a multiple of block_k ({config.block_k})")
-    m_tiles, splits = triton.cdiv(m, config.block_m), triton.cdiv(k, config.k_split)
+    k_split = config.k_split or k
+    m_tiles, splits = triton.cdiv(m, config.block_m), triton.cdiv(k, k_split)
     part = y if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (m_tiles * splits * triton.cdiv(n, config.block_n),)
     _matmul_kernel[grid](x, w, bias if bias is not None and splits == 1 else w, part, m, n, k, x.stride(0),
-                         w.stride(0), n, m_tiles, splits, config.k_split,
+                         w.stride(0), n, m_tiles, splits, k_split,
                          HAS_BIAS=bias is not None and splits == 1, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                          BLOCK_K=config.block_k,
                          DOT_F32=x.dtype == torch.float32 or w.dtype == torch.float32, ROW_SUM=not x.is_cuda,
-                         num_warps=config.num_warps, num_stages=config.num_stages)
+                         SPLIT=splits > 1, num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, bias if bias is not None else part, y, m * n, n,

@@ -9,6 +9,8 @@ options) is then compiled through ptxas (bundled with Triton), with the CUDA-onl
 switched on.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -148,8 +150,9 @@ def test_invariant_matmul_compiles(monkeypatch, bias, out_dtype):
     assert compile_launches(monkeypatch, mi, ("_matmul_kernel",), lambda: mi.matmul_invariant(x, w, b, out_dtype),
                             {"ROW_SUM": False, "DOT_F32": False}) == {"_matmul_kernel": 1}
     w, x = torch.randn(96, 1300).bfloat16(), torch.randn(5, 1300).bfloat16()  # K in two pieces, then their sum
+    split = replace(mi.CONFIG, k_split=1024)
     assert compile_launches(monkeypatch, mi, ("_matmul_kernel", "_sum_splits_kernel"),
-                            lambda: mi.matmul_invariant(x, w, b, out_dtype),
+                            lambda: mi.matmul_invariant(x, w, b, out_dtype, split),
                             {"ROW_SUM": False, "DOT_F32": False}) == {"_matmul_kernel": 1, "_sum_splits_kernel": 1}
 
 
