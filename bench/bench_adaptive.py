@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
                 told.clear()
                 rows[name].append(run(llm, prompts, params, k) | {"told": list(told)})
         if args.trace and policy is not None and "adaptive" in rows:
-            traces.append({"concurrency": c, "walls": rows["adaptive"][-1]["walls"], "told": rows["adaptive"][-1]["told"],
+            last = rows["adaptive"][-1]
+            traces.append({"concurrency": c, "walls": last["walls"], "told": last["told"],
                            "host_ms": [[*k, v] for k, v in policy._host.items()],
                            "rate": [[*k, v] for k, v in policy._rate.items()],
                            "plain_faster": sorted(policy._plain_faster())})

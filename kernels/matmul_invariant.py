@@ -7,9 +7,9 @@ and batch hold it; other rows only fill the tile's other lanes. cuBLAS and the G
 reduction splits by M, which is what makes a row's bits depend on its batch. With `k_split` a long K is split by K
 alone (pieces of k_split, each walked as above into an fp32 partial, the partials then summed in order by a second
 kernel), which gives a decode row's few output tiles more programs; since the split never depends on M, a row's
-bits still do not either. It is off by default: bench/bench_matmul_invariant.py compares it with the whole K. The reference is F.linear
-(equal up to rounding): `tests/test_matmul_invariant.py` checks both and the invariance under the CPU interpreter,
-`tests/gpu/test_matmul_invariant_gpu.py` on the GPU's tensor cores.
+bits still do not either. It is off by default: bench/bench_matmul_invariant.py compares it with the whole K.
+The reference is F.linear (equal up to rounding): `tests/test_matmul_invariant.py` checks both and the invariance
+under the CPU interpreter, `tests/gpu/test_matmul_invariant_gpu.py` on the GPU's tensor cores.
 
 Programs walk the M tiles of one weight tile in a row, so at large M the weight tile is read from L2 after its first
 use.
