@@ -1,4 +1,4 @@
-"""The deterministic mode's batch-invariant matmul at the target's projection shapes: microseconds per call by M,
+"""The deterministic mode's batch-invariant matmul at the target's projection shapes: microseconds per call (the best of 50) by M,
 for each K split (0: K walked whole by every program), against cuBLAS (F.linear, not batch-invariant).
 
 usage: python bench/bench_matmul_invariant.py [--models 0.5b 8b] [--ms 1 8 64 512] [--k-split 1024 0] [--json OUT]
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,17 +22,12 @@ SHAPES = {  # (name, N, K) of one decoder layer's projections and the lm_head
 
 
 def time_us(fn, iters: int = 50) -> float:
-    for _ in range(5):
+    """The best of `iters` device times of fn(), in microseconds."""
+    from dspark_serve.engine.runner.capture import device_ms
+
+    for _ in range(4):
         fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return device_ms(fn, iters) * 1e3
 
 
 def main(argv: list[str] | None = None) -> dict:
