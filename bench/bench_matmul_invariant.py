@@ -1,5 +1,5 @@
-"""The deterministic mode's batch-invariant matmul at the target's projection shapes: microseconds per call (the best of 50) by M,
-for each K split (0: K walked whole by every program), against cuBLAS (F.linear, not batch-invariant).
+"""The deterministic mode's batch-invariant matmul at the target's projection shapes: microseconds per call (the best
+of 50) by M, for each K split (0: K walked whole by every program), against cuBLAS (F.linear, not batch-invariant).
 
 usage: python bench/bench_matmul_invariant.py [--models 0.5b 8b] [--ms 1 8 64 512] [--k-split 1024 0] [--json OUT]
 """
