@@ -16,7 +16,7 @@ gateway, not the load generator, is what is measured.
 
 usage: python bench/bench_service.py [--target DIR] [--draft DIR] [--levels 1 8 32 64] [--request-rates 4 16 64]
                                      [--requests 64] [--max-tokens 128] [--layouts engine default split serve]
-                                     [--json OUT]
+                                     [--rounds 1] [--json OUT]
 """
 
 from __future__ import annotations
@@ -158,11 +158,12 @@ def engine_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
               num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len, kernel_config=args.kernel_config)
     rows = []
     for c in args.levels:
-        for plain in (True, False):
-            engine_run(llm, prompts[:c], c, args.max_tokens, plain)  # warm-up: this level's graph buckets
+        for rnd, plain in _turns(args.rounds):
+            if rnd == 0:
+                engine_run(llm, prompts[:c], c, args.max_tokens, plain)  # warm-up: this level's graph buckets
             before = llm.num_kernel_compiles
             records, wall = engine_run(llm, prompts, c, args.max_tokens, plain)
-            rows.append(_row("engine", c, plain, summarize(records, wall)))
+            rows.append(_row("engine", c, plain, summarize(records, wall), rnd))
             rows[-1]["kernels_compiled_during"] = llm.num_kernel_compiles - before
             rows[-1]["kernels_compiled_since_start"] = llm.num_kernel_compiles
     for rate in args.request_rates:
@@ -266,11 +267,12 @@ def served_rows(layout: str, address: str, application: str | None, args: argpar
     stats = DSparkClient(address, application=application)
     rows = []
     for c in args.levels:
-        for plain in (True, False):
-            load(address, application, prompts[:c], c, args.max_tokens, plain, args.client_procs)  # warm-up
+        for rnd, plain in _turns(args.rounds):
+            if rnd == 0:
+                load(address, application, prompts[:c], c, args.max_tokens, plain, args.client_procs)  # warm-up
             before = stats.server_stats()
             records, wall = load(address, application, prompts, c, args.max_tokens, plain, args.client_procs)
-            rows.append(_row(layout, c, plain, summarize(records, wall)))
+            rows.append(_row(layout, c, plain, summarize(records, wall), rnd))
             after = stats.server_stats()
             rows[-1]["graphs_recorded_during"] = after.num_cuda_graphs - before.num_cuda_graphs
             rows[-1]["kernels_compiled_during"] = after.num_kernel_compiles - before.num_kernel_compiles
@@ -287,9 +289,14 @@ def served_rows(layout: str, address: str, application: str | None, args: argpar
     return rows
 
 
-def _row(layout: str, level: int | str, plain: bool, summary: dict) -> dict:
+def _turns(rounds: int) -> list[tuple[int, bool]]:
+    """(round, plain) of a level's runs: plain then speculative, `rounds` times, alternating."""
+    return [(rnd, plain) for rnd in range(rounds) for plain in (True, False)]
+
+
+def _row(layout: str, level: int | str, plain: bool, summary: dict, rnd: int = 0) -> dict:
     """level: a concurrency, or a request rate ("4/s")."""
-    return {"layout": layout, "concurrency": level, "mode": "plain" if plain else "spec", **summary}
+    return {"layout": layout, "concurrency": level, "mode": "plain" if plain else "spec", "round": rnd, **summary}
 
 
 def _line(r: dict) -> str:
@@ -328,15 +335,15 @@ def serve_config(args: argparse.Namespace, folder: Path) -> Path:
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Per layout and level: spec / plain, and each layout's tok/s over the engine's (same mode)."""
-    by = {(r["layout"], r["concurrency"], r["mode"]): r for r in rows}
+    by = {(r["layout"], r["concurrency"], r["mode"], r.get("round", 0)): r for r in rows}
     out = []
-    for (layout, c, mode), r in by.items():
+    for (layout, c, mode, rnd), r in by.items():
         if mode != "spec":
             continue
-        plain = by.get((layout, c, "plain"))
-        eng = by.get(("engine", c, "spec"))
-        eng_plain = by.get(("engine", c, "plain"))
-        out.append({"layout": layout, "concurrency": c,
+        plain = by.get((layout, c, "plain", rnd))
+        eng = by.get(("engine", c, "spec", rnd))
+        eng_plain = by.get(("engine", c, "plain", rnd))
+        out.append({"layout": layout, "concurrency": c, "round": rnd,
                     "spec_over_plain": r["tok_s"] / plain["tok_s"] if plain else None,
                     "spec_over_engine": r["tok_s"] / eng["tok_s"] if eng else None,
                     "plain_over_engine": plain["tok_s"] / eng_plain["tok_s"] if plain and eng_plain else None,
@@ -345,17 +352,19 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def print_table(rows: list[dict], summary: list[dict]) -> None:
-    print(f"\n{'layout':>8} {'load':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'spec/plain':>10} {'spec/engine':>11} "
-          f"{'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'tau':>5} {'channel':>8} {'goodput plain/spec':>19}")
-    by = {(r["layout"], r["concurrency"], r["mode"]): r for r in rows}
+    print(f"\n{'layout':>8} {'load':>6} {'round':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'spec/plain':>10} "
+          f"{'spec/engine':>11} {'TTFT p50':>8} {'p99':>7} {'TPOT p50':>8} {'tau':>5} {'channel':>8} "
+          f"{'goodput plain/spec':>19}")
+    by = {(r["layout"], r["concurrency"], r["mode"], r.get("round", 0)): r for r in rows}
     for s in summary:
-        sp, pl = by[(s["layout"], s["concurrency"], "spec")], by.get((s["layout"], s["concurrency"], "plain"))
+        key = (s["layout"], s["concurrency"])
+        sp, pl = by[(*key, "spec", s["round"])], by.get((*key, "plain", s["round"]))
         f = lambda x, w, p: f"{x:{w}.{p}f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
         good = f"{pl['goodput_req_s']:.2f} / {sp['goodput_req_s']:.2f}" if pl else "-"
-        print(f"{s['layout']:>8} {s['concurrency']!s:>6} {f(pl and pl['tok_s'], 11, 1)} {sp['tok_s']:10.1f} "
-              f"{f(s['spec_over_plain'], 10, 2)} {f(s['spec_over_engine'], 11, 2)} {sp['ttft_ms_p50']:8.2f} "
-              f"{sp['ttft_ms_p99']:7.1f} {sp['tpot_ms_p50']:8.3f} {sp['tau']:5.2f} {sp['channel_ms_per_step']:8.3f} "
-              f"{good:>19}")
+        print(f"{s['layout']:>8} {s['concurrency']!s:>6} {s['round']:>5} {f(pl and pl['tok_s'], 11, 1)} "
+              f"{sp['tok_s']:10.1f} {f(s['spec_over_plain'], 10, 2)} {f(s['spec_over_engine'], 11, 2)} "
+              f"{sp['ttft_ms_p50']:8.2f} {sp['ttft_ms_p99']:7.1f} {sp['tpot_ms_p50']:8.3f} {sp['tau']:5.2f} "
+              f"{sp['channel_ms_per_step']:8.3f} {good:>19}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -374,6 +383,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--goodput-ttft-ms", type=float, default=200.0)
     ap.add_argument("--goodput-tpot-ms", type=float, default=20.0)
     ap.add_argument("--requests", type=int, default=64, help="requests per level and mode")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="each level's plain and speculative runs this many times, alternating (rows name their "
+                         "round)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--layouts", nargs="+", default=["engine", "default", "split", "serve"],
                     choices=["engine", "default", "colocate", "split", "serve"])
