@@ -23,22 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_service import chat_prompts
 from servers import drain, launch, stop
-
-BENCH = Path(__file__).resolve().parent
-
-
-def prompts(target: str, name: str, n: int) -> list[str]:
-    from dspark_serve.models.chat_template import ChatTemplateError, load_chat_template, render_chat
-    from dspark_serve.train.data import CHAT_TEMPLATE, read_prompt_texts
-
-    texts = read_prompt_texts(BENCH / "prompts" / f"heldout_{name}.jsonl")
-    try:
-        tpl = load_chat_template(target)
-        render = lambda t: render_chat(tpl, [{"role": "user", "content": t}], add_generation_prompt=True)  # noqa: E731
-    except ChatTemplateError:
-        render = CHAT_TEMPLATE.format
-    return [render(texts[i % len(texts)]) for i in range(n)]
 
 
 async def _run(address: str, jobs: list[tuple[str, dict]], concurrency: int) -> tuple[list[list[int]], float]:
@@ -105,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     n, top = args.max_tokens, max(args.levels)
     greedy = dict(temperature=0.0, max_tokens=n, ignore_eos=True)
-    code, prose = prompts(args.target, "code", args.requests), prompts(args.target, "prose", args.prose)
+    code, prose = chat_prompts(args.target, args.requests)[0], chat_prompts(args.target, args.prose, "prose")[0]
     kinds = {"code": [(p, greedy) for p in code],
              "seeded": [(p, dict(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)) for i, p in enumerate(code)],
              "prose": [(p, greedy) for p in prose]}
@@ -113,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"max_tokens": n, "requests": args.requests, "prose": args.prose, "rows": []}
     refs: dict[str, list] = {}
 
-    def row(server_name: str, mode: str, kind: str, c: int, jobs: list) -> None:
+    def row(server_name: str, mode: str, kind: str, c: int, jobs: list) -> list[list[int]]:
         outs, wall = run(address, jobs, c)
         ref = refs.get(kind)
         equal = sum(a == b for a, b in zip(outs, ref)) if ref is not None else None

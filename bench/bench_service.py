@@ -36,12 +36,13 @@ BENCH = Path(__file__).resolve().parent
 LAYOUT_FLAGS = {"default": [], "colocate": ["--colocate"], "split": ["--no-colocate"]}
 
 
-def chat_prompts(target: str, n: int) -> tuple[list[str], str]:
-    """n held-out code prompts (cycled) as the target's chat template renders them; -> (prompts, template)."""
+def chat_prompts(target: str, n: int, kind: str = "code") -> tuple[list[str], str]:
+    """n held-out prompts of `kind` (code or prose; cycled) as the target's chat template renders them; -> (prompts,
+    template)."""
     from dspark_serve.models.chat_template import ChatTemplateError, load_chat_template, render_chat
     from dspark_serve.train.data import CHAT_TEMPLATE, read_prompt_texts
 
-    texts = read_prompt_texts(BENCH / "prompts" / "heldout_code.jsonl")
+    texts = read_prompt_texts(BENCH / "prompts" / f"heldout_{kind}.jsonl")
     try:
         tpl = load_chat_template(target)
         render = lambda t: render_chat(tpl, [{"role": "user", "content": t}], add_generation_prompt=True)  # noqa: E731
