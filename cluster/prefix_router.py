@@ -10,16 +10,20 @@ and otherwise goes to the less loaded of two, as Serve's default router sends it
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import random
+import time
 from typing import Any
 
 from ray.serve.request_router import (LocalityMixin, MultiplexMixin, PendingRequest, ReplicaID, RequestRouter,
                                       RunningReplica)
 
 from .affinity import AffinityConfig, AffinityTable, chat_text, choose, session_keys, text_keys, token_keys
+from .inflight import InFlight
 
 KEYS_ATTR = "_dspark_prefix_keys"  # the keys computed when routing, kept on the pending request for on_request_routed
+TOKEN_ATTR = "_dspark_inflight_token"  # the request's entry among this router's choices not yet accepted
 
 
 def request_keys(pending: PendingRequest, cfg: AffinityConfig) -> list[bytes]:
@@ -50,7 +54,8 @@ def prompt_keys(request: Any, cfg: AffinityConfig) -> list[bytes]:
 
 class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Routes a request to the replica most likely to hold its prompt's prefix in its cache, unless that replica has
-    more than `imbalance_threshold` ongoing requests beyond the mean replica; then the less loaded of two.
+    more than `imbalance_threshold` ongoing requests beyond the mean replica; then the less loaded of two. A replica's
+    load is the larger of Serve's cached count and the requests this router has sent it that have not finished.
     Keys are remembered per router (an approximate view per proxy, as SGLang's router keeps); a replica that dies or
     leaves is forgotten, so its conversations go elsewhere at once."""
 
@@ -60,6 +65,8 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                                        imbalance_threshold=imbalance_threshold, max_keys=max_keys)
         self.table = AffinityTable(max_keys)
         self.rng = random.Random(seed)
+        self.inflight = InFlight()
+        self._tokens = itertools.count()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -80,14 +87,18 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return [two]
         chosen, _ = choose(keys, loads, self.table, self.affinity, self.rng)
         self.table.insert(keys, chosen)  # at once, so the next turn finds it even before Serve reports the routing
-        if self._use_replica_queue_len_cache:  # and count it, so requests routed meanwhile see it (the replica's
-            self._replica_queue_len_cache.update(chosen, loads[chosen] + 1)  # own count replaces this soon)
+        token = getattr(pending_request, TOKEN_ATTR, None)
+        if token is None:
+            token = next(self._tokens)
+            setattr(pending_request, TOKEN_ATTR, token)
+        self.inflight.chosen(token, chosen, time.monotonic())  # counted at once by the requests routed meanwhile
         return [[by_id[chosen]], two]  # a holder that refuses (its queue full) falls back to the two
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
-        """Ongoing requests per replica: Serve's queue-length cache, probing those it lacks. A replica whose probe
-        missed its deadline (Serve's 0.1 s at first) stays a candidate at the known replicas' mean load: dropping it
-        would send every new conversation to the replicas that happened to answer."""
+        """Ongoing requests per replica: Serve's queue-length cache, probing those it lacks, and at least what this
+        router has in flight there. A replica whose probe missed its deadline (Serve's 0.1 s at first) stays a
+        candidate at the known replicas' mean load: dropping it would send every new conversation to the replicas
+        that happened to answer."""
         loads, missing = {}, []
         for r in replicas:
             n = self._replica_queue_len_cache.get(r.replica_id) if self._use_replica_queue_len_cache else None
@@ -104,20 +115,27 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             for r, n in probed:
                 if n is None and r.replica_id in self._replica_id_set:  # gone replicas left the set
                     loads[r.replica_id] = mean
-        return loads
+        ours = self.inflight.counts(time.monotonic())  # read after the probes: choices made while they ran count
+        return {replica_id: max(n, ours[replica_id]) for replica_id, n in loads.items()}
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        """Where the request went, when not the first choice (that replica refused it)."""
+        """The replica accepted the request: it holds the keys (when not the first choice, that replica refused),
+        and the request counts there until it finishes."""
         keys = getattr(pending_request, KEYS_ATTR, None)
         if keys:
             self.table.insert(keys, replica_id)
+        self.inflight.routed(getattr(pending_request, TOKEN_ATTR, None), replica_id)
+        loop = self._event_loop
+        result.add_done_callback(lambda _: loop.call_soon_threadsafe(self.inflight.finished, replica_id))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.table.forget(replica_id)
+        self.inflight.forget(replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         gone = set(self._replica_id_set) - {r.replica_id for r in replicas}
         super().update_replicas(replicas)
         for replica_id in gone:
             self.table.forget(replica_id)
+            self.inflight.forget(replica_id)

@@ -167,7 +167,7 @@ def test_a_replica_out_of_balance_sheds_new_requests(cluster):
     counts = sorted((sum(r["replica"] == k for r in results) for k in {r["replica"] for r in results}), reverse=True)
     print(f"shared prompt, 12 at once: per replica {counts}")
     assert all(r["code"] == grpc.StatusCode.OK for r in results)
-    assert len(counts) == 2 and counts[1] >= 2  # affinity alone would send all 12 to the holder
+    assert len(counts) == 2 and counts[0] - counts[1] <= 2 * IMBALANCE  # the holder at most IMBALANCE over the mean
 
 
 def _replica_pids() -> dict[str, int]:
