@@ -24,6 +24,7 @@ from .config import GatewayConfig
 from .gateway_request import Chat, GatewayRequest
 from .live_sequence import LiveSequence, aborted_final, take
 from .metrics import FINISH_NAMES, ServingMetrics
+from .prompt_tokens import PromptTokenizer
 from .recent_aborts import RecentAborts
 
 PAIR_TIMEOUT_S = 10.0  # a control call the pair does not answer in this long means it is gone
@@ -62,6 +63,7 @@ class GatewayCore:
         self.keys: dict[tuple[str, str], list[str]] = {}  # (caller, request_id) -> its sequences' keys in live
         self.draining = False
         self.token_text: TokenText | None = None
+        self.prompt_tokens: PromptTokenizer | None = None  # encodes prompts, their long pieces cached
         self.conn: StreamClient | None = None
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dspark-tokenize")
         self._pump: asyncio.Task | None = None
@@ -86,6 +88,7 @@ class GatewayCore:
             tokenizer_json = await asyncio.wait_for(verifier.tokenizer_json.remote(), PAIR_TIMEOUT_S)
             if tokenizer_json is not None:
                 self.token_text = await loop.run_in_executor(self._pool, _token_text, tokenizer_json)
+                self.prompt_tokens = PromptTokenizer(self.token_text.tokenizer)
             self.chat_template = await asyncio.wait_for(verifier.chat_template.remote(), PAIR_TIMEOUT_S)
         host, port, secret = await asyncio.wait_for(verifier.stream_address.remote(), PAIR_TIMEOUT_S)
         self.conn = await StreamClient.connect(host, port, secret)
@@ -164,9 +167,9 @@ class GatewayCore:
         if not isinstance(prompt, str):
             return prompt
         if len(prompt) <= INLINE_CHARS and len(self.live) <= 2:
-            ids = _encode(self.token_text, prompt)
+            ids = _encode(self.prompt_tokens, prompt)
         else:
-            ids = await asyncio.get_running_loop().run_in_executor(self._pool, _encode, self.token_text, prompt)
+            ids = await asyncio.get_running_loop().run_in_executor(self._pool, _encode, self.prompt_tokens, prompt)
         convert.check_prompt_length(len(ids), self.info["max_model_len"])
         return ids
 
@@ -384,6 +387,6 @@ def _token_text(tokenizer_json: str) -> TokenText:
     return TokenText(Tokenizer.from_str(tokenizer_json))
 
 
-def _encode(text: TokenText, prompt: str) -> list[int]:
-    # encode_batch releases the GIL; encode does not. A rendered chat holds its special tokens already.
-    return text.tokenizer.encode_batch([prompt], add_special_tokens=not isinstance(prompt, chat.ChatText))[0].ids
+def _encode(tokens: PromptTokenizer, prompt: str) -> list[int]:
+    # A rendered chat holds its special tokens already.
+    return tokens.encode(prompt, add_special_tokens=not isinstance(prompt, chat.ChatText))
