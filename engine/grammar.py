@@ -105,7 +105,8 @@ class Grammars:
 def _compile(compiler: Any, p: StructuredOutputsParams) -> Any:
     any_ws = not p.disable_any_whitespace
     kind = p.kind
-    ws = {"any_whitespace": any_ws, "max_whitespace_cnt": MAX_WHITESPACE if any_ws else None, "strict_mode": False}
+    # strict: only the properties and items a schema lists, unless it allows more (xgrammar's default, vLLM's too)
+    ws = {"any_whitespace": any_ws, "max_whitespace_cnt": MAX_WHITESPACE if any_ws else None, "strict_mode": True}
     if kind == "json":
         return compiler.compile_json_schema(p.json, **ws)
     if kind == "json_object":

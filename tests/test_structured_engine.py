@@ -104,6 +104,23 @@ def test_the_cache_is_bounded_and_least_recently_used():
     assert g.compiled == 3 and g.num_cached == 2  # "b" went out when "c" came; "a" stayed (used last)
 
 
+def test_json_schemas_are_strict_as_vllm_s():
+    """A schema's listed properties only (xgrammar's strict mode, which vLLM compiles with): a model cannot ramble
+    on in keys of its own; a free-form object and an explicit additionalProperties still take any key."""
+    tok = byte_tokenizer(257, specials=1)  # ids 0-255 the bytes, 256 the EOS
+    g = Grammars(tok, 257, (256,))
+
+    def accepts(so: SO, text: str) -> bool:
+        state = g.state(so)
+        return all(state.matcher.accept_token(t) for t in tok.encode(text).ids)
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    assert accepts(SO(json=json.dumps(schema)), '{"name": "x"}')
+    assert not accepts(SO(json=json.dumps(schema)), '{"name": "x", "extra": 1}')
+    assert accepts(SO(json=json.dumps({**schema, "additionalProperties": True})), '{"name": "x", "extra": 1}')
+    assert accepts(SO(json_object=True), '{"a": [1, {"b": 2}], "c": null}')
+
+
 VOCAB, PROMPT, SAMPLES = 8, [1, 5, 2], 3000
 
 
