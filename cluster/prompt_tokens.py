@@ -2,17 +2,20 @@
 tokens (<|im_start|>, <|im_end|>, ...) out of the text first and encodes each piece between them on its own, so a
 prompt's ids are its pieces' ids in order: a chat's system prompt and earlier turns, sent again with every turn, are
 encoded once. Used only where that holds exactly (no added token strips the whitespace beside it, matches whole words
-only or is matched after normalization, and nothing is added around the text); otherwise every text is encoded whole."""
+only or is matched after normalization, nothing is added around the text, no padding or truncation); otherwise every
+text is encoded whole."""
 
 from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Any
 
 MIN_PIECE_CHARS = 256  # shorter pieces are encoded each time (cheaper than the bookkeeping)
-MAX_CACHED_CHARS = 32 << 20  # pieces kept, by their characters (least recently used dropped first): ~100 MB
+MAX_CACHED_CHARS = 32 << 20  # pieces kept, by their characters (least recently used dropped first): ~100 MB with
+# their ids (4 bytes each)
 
 
 class PromptTokenizer:
@@ -22,14 +25,14 @@ class PromptTokenizer:
         self.tokenizer, self.max_cached_chars, self.min_piece_chars = tokenizer, max_cached_chars, min_piece_chars
         added = list(tokenizer.get_added_tokens_decoder().items())
         post = tokenizer.post_processor
-        self.exact = bool(added) and all(not (t.lstrip or t.rstrip or t.single_word or t.normalized)
-                                         for _, t in added)
+        self.exact = bool(added) and tokenizer.padding is None and tokenizer.truncation is None and \
+            all(not (t.lstrip or t.rstrip or t.single_word or t.normalized) for _, t in added)
         self._adds_tokens = post is not None and post.num_special_tokens_to_add(False) > 0
         self._ids = {t.content: i for i, t in added}
         # leftmost, then longest: the order the tokenizer's own matcher takes them in
         contents = sorted(self._ids, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, contents)) + ")") if contents else None
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, array] = OrderedDict()  # piece -> its ids
         self._chars = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0  # long pieces found in the cache, and encoded
@@ -40,7 +43,7 @@ class PromptTokenizer:
         if not self.exact or (add_special_tokens and self._adds_tokens) or len(text) < 2 * self.min_piece_chars:
             return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         pieces = self._split.split(text)  # text, added token, text, ..., text
-        found: dict[str, list[int]] = {}
+        found: dict[str, list[int] | array] = {}
         with self._lock:
             for p in pieces[::2]:
                 ids = self._cache.get(p) if len(p) >= self.min_piece_chars else None
@@ -61,12 +64,12 @@ class PromptTokenizer:
                 out += found[p]
         return out
 
-    def _remember(self, pieces: list[str], found: dict[str, list[int]]) -> None:
+    def _remember(self, pieces: list[str], found: dict[str, list[int] | array]) -> None:
         with self._lock:
             self.misses += len(pieces)
             for p in pieces:
                 if p not in self._cache and len(p) <= self.max_cached_chars:
-                    self._cache[p] = found[p]
+                    self._cache[p] = array("i", found[p])
                     self._chars += len(p)
             while self._chars > self.max_cached_chars:
                 old, _ = self._cache.popitem(last=False)

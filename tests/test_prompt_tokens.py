@@ -51,6 +51,17 @@ def test_ids_equal_the_tokenizer_s_own(lstrip, bos):
         assert pt.hits > 100  # pieces came from the cache
 
 
+def test_padding_or_truncation_encodes_whole_texts():
+    padded, truncated = _tokenizer(), _tokenizer()
+    padded.enable_padding(length=64)
+    truncated.enable_truncation(max_length=20)
+    for tok in (padded, truncated):
+        pt = PromptTokenizer(tok, min_piece_chars=4)
+        assert not pt.exact
+        for text in _random_texts(50, seed=2):
+            assert pt.encode(text, False) == tok.encode(text, add_special_tokens=False).ids
+
+
 def test_a_chat_s_system_prompt_is_encoded_once_and_the_cache_is_bounded():
     tok = _tokenizer()
     system = "You are a careful assistant. " * 40  # 1160 characters
