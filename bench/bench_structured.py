@@ -1,6 +1,7 @@
 """Structured outputs on the demo pair: how many outputs are valid for their JSON schema (64 prompts, T = 0 and 0.8,
-speculative), and batch-1 tokens/s of plain and speculative decoding with and without a schema, with tau, and tau
-with the draft's walk unmasked (the grammar still masks the target).
+speculative), and batch-1 tokens/s of plain and speculative decoding with and without a schema, with tau, ms per
+step and the Triton kernels compiled during each, and tau with the draft's walk unmasked (the grammar still masks the
+target).
 
 usage: python bench/bench_structured.py [--target DIR] [--draft DIR] [--prompts 64] [--speed-prompts 8]
                                         [--max-tokens 160] [--device cpu] [--json OUT]
@@ -76,8 +77,12 @@ def valid(text: str, schema: dict) -> bool:
 
 
 def batch1(llm: LLM, work: list[tuple[str, dict]], schema: bool, max_tokens: int, spec: int | None) -> dict:
-    """Tokens/s one request after another, and tau."""
+    """Tokens/s one request after another, tau, ms per step, and the Triton kernels compiled meanwhile (each
+    stalls the run for its compile: their names and ms)."""
+    from dspark_serve.kernels.jit_watch import WATCH
+
     sync = torch.cuda.synchronize if llm.target.device.type == "cuda" else (lambda: None)
+    compiled = WATCH.count
     outs, t0 = [], time.perf_counter()
     sync()
     for prompt, s in work:
@@ -87,8 +92,11 @@ def batch1(llm: LLM, work: list[tuple[str, dict]], schema: bool, max_tokens: int
     seconds = time.perf_counter() - t0
     steps = sum(o.stats["steps"] for o in outs)
     accepted = sum(o.stats["accepted"] for o in outs)
+    new = WATCH.compiles[compiled:]
     return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds, "tau": (accepted + steps) / max(steps, 1),
-            "tokens": sum(len(o.token_ids) for o in outs)}
+            "tokens": sum(len(o.token_ids) for o in outs), "ms_per_step": 1e3 * seconds / max(steps, 1),
+            "kernels_compiled": len(new), "compile_ms": sum(c.ms for c in new),
+            "compiled": sorted({c.kernel for c in new})}
 
 
 def main() -> None:
@@ -118,14 +126,15 @@ def main() -> None:
     for name, schema, spec in (("plain_schema", True, 0), ("spec_schema", True, None),
                                ("plain", False, 0), ("spec", False, None)):
         result[name] = batch1(llm, speed, schema, args.max_tokens, spec)
-        print(name, {k: round(v, 2) for k, v in result[name].items()}, flush=True)
+        print(name, {k: round(v, 2) if isinstance(v, float) else v for k, v in result[name].items()}, flush=True)
     masks = draft_side.DraftMasks
     draft_side.DraftMasks = lambda *a: None
     try:
         result["spec_schema_unmasked_draft"] = batch1(llm, speed, True, args.max_tokens, None)
     finally:
         draft_side.DraftMasks = masks
-    print("spec_schema_unmasked_draft", {k: round(v, 2) for k, v in result["spec_schema_unmasked_draft"].items()})
+    print("spec_schema_unmasked_draft", {k: round(v, 2) if isinstance(v, float) else v
+                                         for k, v in result["spec_schema_unmasked_draft"].items()})
     result["speedup_schema"] = result["spec_schema"]["tok_s"] / result["plain_schema"]["tok_s"]
     result["speedup"] = result["spec"]["tok_s"] / result["plain"]["tok_s"]
     print(f"speculative / plain: {result['speedup_schema']:.2f}x with a schema, {result['speedup']:.2f}x without")
