@@ -16,7 +16,7 @@ import time
 import jsonschema
 import torch
 
-from dspark_serve.engine import draft_side
+from dspark_serve.engine import draft_side, grammar_draft, grammar_state, logits_processing
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.engine.structured_outputs import StructuredOutputsParams
@@ -76,18 +76,50 @@ def valid(text: str, schema: dict) -> bool:
         return False
 
 
+class GrammarClock:
+    """Host ms in the grammar's hooks while a run lasts: the target's masks (logits_processing.apply_grammar, which
+    waits for the drafts on the device), the draft walk's masks (DraftMasks.allowed, which waits for each drafted
+    token) and the state's advance over committed tokens."""
+
+    HOOKS = ((logits_processing, "apply_grammar"), (grammar_draft.DraftMasks, "allowed"),
+             (grammar_state.GrammarState, "advance"))
+
+    def __init__(self) -> None:
+        self.ms = {name: 0.0 for _, name in self.HOOKS}
+
+    def __enter__(self) -> GrammarClock:
+        self._saved = [(owner, name, getattr(owner, name)) for owner, name in self.HOOKS]
+        for owner, name, fn in self._saved:
+            setattr(owner, name, self._timed(name, fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in self._saved:
+            setattr(owner, name, fn)
+
+    def _timed(self, name: str, fn):
+        def run(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.ms[name] += 1e3 * (time.perf_counter() - t)
+        return run
+
+
 def batch1(llm: LLM, work: list[tuple[str, dict]], schema: bool, max_tokens: int, spec: int | None) -> dict:
-    """Tokens/s one request after another, tau, ms per step, and the Triton kernels compiled meanwhile (each
-    stalls the run for its compile: their names and ms)."""
+    """Tokens/s one request after another, tau, ms per step (and of it, host ms per step in the grammar's hooks),
+    and the Triton kernels compiled meanwhile (each stalls the run for its compile: their names and ms)."""
     from dspark_serve.kernels.jit_watch import WATCH
 
     sync = torch.cuda.synchronize if llm.target.device.type == "cuda" else (lambda: None)
     compiled = WATCH.count
     outs, t0 = [], time.perf_counter()
     sync()
-    for prompt, s in work:
-        outs.append(llm.generate_one(prompt, params(s if schema else None, 0.0, max_tokens),
-                                     num_speculative_tokens=spec))
+    with GrammarClock() as clock:
+        for prompt, s in work:
+            outs.append(llm.generate_one(prompt, params(s if schema else None, 0.0, max_tokens),
+                                         num_speculative_tokens=spec))
     sync()
     seconds = time.perf_counter() - t0
     steps = sum(o.stats["steps"] for o in outs)
@@ -96,7 +128,8 @@ def batch1(llm: LLM, work: list[tuple[str, dict]], schema: bool, max_tokens: int
     return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds, "tau": (accepted + steps) / max(steps, 1),
             "tokens": sum(len(o.token_ids) for o in outs), "ms_per_step": 1e3 * seconds / max(steps, 1),
             "kernels_compiled": len(new), "compile_ms": sum(c.ms for c in new),
-            "compiled": sorted({c.kernel for c in new})}
+            "compiled": sorted({c.kernel for c in new}),
+            **{f"{name}_ms_per_step": ms / max(steps, 1) for name, ms in clock.ms.items()}}
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-"""bench/bench_structured.py on the tiny pair for seconds: every row it reports, with its ms per step and the Triton
-compiles counted during it (none on CPU)."""
+"""bench/bench_structured.py on the tiny pair for seconds: every row it reports, with its ms per step, the host ms in
+the grammar's hooks and the Triton compiles counted during it (none on CPU)."""
 
 import json
 
@@ -30,3 +30,6 @@ def test_bench_structured_reports_every_row(tmp_path, monkeypatch):
         assert row["tokens"] > 0 and row["tok_s"] > 0 and row["ms_per_step"] > 0, (name, row)
         assert row["kernels_compiled"] == 0 and row["compiled"] == [], (name, row)  # no Triton compiles on CPU
     assert 0 <= r["valid_T0.0"] <= 1 and r["speedup_schema"] > 0
+    for name in ("plain", "spec"):  # the draft walk's masks run only for constrained rows
+        assert r[name]["allowed_ms_per_step"] == 0 and r[name]["advance_ms_per_step"] == 0
+    assert r["plain_schema"]["apply_grammar_ms_per_step"] > 0 and r["spec_schema"]["allowed_ms_per_step"] > 0
