@@ -1,7 +1,7 @@
 """Structured outputs on the demo pair: how many outputs are valid for their JSON schema (64 prompts, T = 0 and 0.8,
 speculative), and batch-1 tokens/s of plain and speculative decoding with and without a schema, with tau, ms per
-step and the Triton kernels compiled during each, and tau with the draft's walk unmasked (the grammar still masks the
-target).
+step, the host ms per step in the grammar's hooks and the Triton kernels compiled during each, and tau with the
+draft's walk unmasked (the grammar still masks the target).
 
 usage: python bench/bench_structured.py [--target DIR] [--draft DIR] [--prompts 64] [--speed-prompts 8]
                                         [--max-tokens 160] [--device cpu] [--json OUT]
