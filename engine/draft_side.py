@@ -15,7 +15,7 @@ from dspark_serve.models.token_map import load_token_map, restrict_draft_vocab
 from .runner.draft_graphs import DraftGraphs
 from .runner.draft_runner import DraftRunner
 from .drafter import DraftInput, DraftProposal
-from .grammar_draft import DraftMasks, masked
+from .grammar_draft import DraftMasks, keep, masked
 from .kv_cache import batch_metadata, positions_of
 from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
@@ -222,7 +222,7 @@ class DraftSide:
             tokens, logits, conf = _walk_fn(values)(*args)
         else:  # the reference walk, each step's candidates masked by the grammars
             cand_target = cand + m.d2t.to(cand.device)[cand] if d2t is not None else cand
-            allow = lambda k, prev: masks.allowed(k, prev).gather(1, cand_target[:, k])  # noqa: E731
+            allow = lambda k, prev: keep(masks.allowed(k, prev).gather(1, cand_target[:, k]))  # noqa: E731
             tokens, logits, conf = markov_walk_ref(*args, allow=allow)  # logits -inf where refused: q is masked
         if not need_q:
             return DraftProposal(tokens, None, conf)

@@ -47,7 +47,12 @@ class DraftMasks:
         self.taken = [0] * len(self.rows)
 
 
+def keep(allowed: Tensor) -> Tensor:
+    """allowed [R, C] bool -> [R, C] the columns each row may pick: its allowed ones, or every one where it allows
+    none (the row stays unmasked)."""
+    return allowed | ~allowed.any(-1, keepdim=True)
+
+
 def masked(logits: Tensor, allowed: Tensor) -> Tensor:
     """logits [R, C] over C columns, allowed [R, C] bool -> -inf where refused, on the rows that allow any column."""
-    keep = allowed | ~allowed.any(-1, keepdim=True)  # [R, C]
-    return logits.masked_fill(~keep, float("-inf"))
+    return logits.masked_fill(~keep(allowed), float("-inf"))

@@ -54,6 +54,36 @@ def test_bitmask_unpacks_bit_b_of_word_w_to_token_32w_plus_b():
     assert got[1].nonzero().flatten().tolist() == list(range(32, 40))
 
 
+class _RefuseFirstRow:
+    """Draft masks under which row 0's grammar allows no token at any step and row 1's allows every token."""
+
+    def __init__(self, rows: int, vocab: int) -> None:
+        self.rows, self.vocab = rows, vocab
+
+    def allowed(self, k, prev):
+        ok = torch.ones(self.rows, self.vocab, dtype=torch.bool)
+        ok[0] = False
+        return ok
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("spec", [{}, {"dspark_draft_topk": 4}], ids=["full", "topk"])
+def test_a_row_whose_grammar_allows_nothing_the_draft_can_say_walks_unmasked(spec):
+    target, draft = build_pair(seed=3, vocab=64, block_size=3, markov_rank=4)
+    side = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=64).draft
+    w = side.model.fc.weight
+    hidden = torch.randn(2, side.num_speculative_tokens, w.shape[0], generator=torch.Generator().manual_seed(0),
+                         dtype=w.dtype)
+    args = (hidden, side.model.base_logits(hidden), torch.tensor([1, 2]), torch.tensor([0.8, 0.8]),
+            torch.tensor([5, 6]), torch.tensor([10, 10]), True)
+    free, refused = side.markov_walk(*args), side.markov_walk(*args, masks=_RefuseFirstRow(2, 64))
+    assert torch.equal(refused.tokens, free.tokens)
+    q_free, q_refused = free.dense_probs(64), refused.dense_probs(64)
+    assert q_refused.isfinite().all() and torch.allclose(q_refused, q_free)
+
+
 def _mask(state, drafts):
     return [set(r.nonzero().flatten().tolist()) for r in unpack_bitmask(state.masks_for(drafts), len(LETTERS))]
 
