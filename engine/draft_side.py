@@ -162,7 +162,9 @@ class DraftSide:
         constrained rows' grammars (each step is masked by them; q is the masked distribution)."""
         m = self.model
         topk = self.spec.dspark_draft_topk
-        if m.markov_head is not None and 0 < topk < base.shape[-1]:
+        # a greedy constrained batch walks the whole vocabulary, masked: the unmasked top-k often holds nothing the
+        # grammar allows (sampled batches keep the candidates, whose q stays [R, N, K])
+        if m.markov_head is not None and 0 < topk < base.shape[-1] and (masks is None or need_q):
             return self._topk_walk(hidden, base, anchor, temperature, seeds, anchor_pos, need_q, topk, masks)
         n = base.shape[1]
         greedy = (temperature < 1e-5) | (self.spec.draft_sample_method == "greedy")  # [R]

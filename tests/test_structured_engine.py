@@ -267,10 +267,16 @@ def test_greedy_speculative_with_a_grammar_equals_plain_greedy(byte_llm, static)
     assert sum(x["accepted"] for x in s) > 150 and sum(x["drafted"] - x["accepted"] for x in s) > 30
 
 
-def test_masking_the_drafts_raises_acceptance(byte_llm, monkeypatch):
-    """The same greedy requests with the draft's walk unmasked: the same tokens, far fewer accepted drafts."""
+@pytest.mark.parametrize("topk", [0, 8], ids=["full", "topk"])
+def test_masking_the_drafts_raises_acceptance(byte_llm, topk, monkeypatch):
+    """The same greedy requests with the draft's walk unmasked: the same tokens, far fewer accepted drafts. With
+    top-k drafting too (the unmasked top 8 of 256 seldom hold what the grammar allows)."""
     from dspark_serve.engine import draft_side
 
+    if topk:
+        byte_llm = LLM(*build_pair(seed=5, agree=0.005), {**FIXED, "dspark_draft_topk": topk}, device="cpu",
+                       block_size=8, num_kv_blocks=512, max_num_seqs=16, tokenizer=byte_tokenizer(256),
+                       eos_token_ids=(0,))
     specs = [SO(json=json.dumps(s), disable_any_whitespace=True) for s in SCHEMAS] + [SO(regex="[a-c]{2,5}-[0-9]{2}")]
     params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=s) for s in specs]
     masked = byte_llm.generate([[3, 4, 5]] * len(params), params)
