@@ -162,7 +162,7 @@ class DraftSide:
         constrained rows' grammars (each step is masked by them; q is the masked distribution)."""
         m = self.model
         topk = self.spec.dspark_draft_topk
-        # a greedy constrained batch walks the whole vocabulary, masked: the unmasked top-k often holds nothing the
+        # a greedy constrained batch walks the whole vocabulary, masked: the unmasked top-k may hold nothing the
         # grammar allows (sampled batches keep the candidates, whose q stays [R, N, K])
         if m.markov_head is not None and 0 < topk < base.shape[-1] and (masks is None or need_q):
             return self._topk_walk(hidden, base, anchor, temperature, seeds, anchor_pos, need_q, topk, masks)
