@@ -1,5 +1,5 @@
-"""The request stream between the gateway and the verifier's step loop: one TCP connection carrying adds and
-aborts in, and one frame of outputs per step out. Ray only sets it up (the address and a secret, over Ray's
+"""The request stream between the gateways and the verifier's step loop: one TCP connection per gateway process,
+carrying adds and aborts in, and one frame of outputs per step out. Ray only sets it up (the address and a secret, over Ray's
 authenticated calls); the connection is authenticated by the secret before any frame is read.
 
 Frames: a 4-byte big-endian length, then a pickle of one of actors/frames.py's named tuples: Add and Abort in;
@@ -31,7 +31,8 @@ def pack(obj: Any) -> bytes:
 
 class StreamServer:
     """The verifier's end, driven by the step loop's thread only: `poll` waits (select, without the GIL) for
-    the gateway's frames or a connection; `send` writes one frame. One gateway at a time; a new one replaces it."""
+    frames or connections; `send` writes one frame to one gateway. Several gateways (processes) may connect, each
+    authenticated by the secret; a connection is known by a number, and a sequence by the gateway that added it."""
 
     def __init__(self, host: str, send_timeout_s: float = 30.0) -> None:
         self.secret = secrets.token_bytes(SECRET_BYTES)
@@ -39,42 +40,50 @@ class StreamServer:
         self.listener.setblocking(False)
         self.address = (host, self.listener.getsockname()[1])
         self.send_timeout_s = send_timeout_s
-        self.conn: socket.socket | None = None
-        self._buf = bytearray()
+        self.conns: dict[int, socket.socket] = {}
+        self._bufs: dict[int, bytearray] = {}
+        self._next = 0
 
     @property
     def connected(self) -> bool:
-        return self.conn is not None
+        return bool(self.conns)
 
-    def poll(self, timeout_s: float) -> tuple[list[Any], bool]:
-        """-> (the frames that arrived, whether the gateway went away). Waits up to timeout_s for the first."""
-        socks = [self.listener] + ([self.conn] if self.conn is not None else [])
-        ready, _, _ = select.select(socks, [], [], timeout_s)
-        lost = False
+    def poll(self, timeout_s: float) -> tuple[list[tuple[int, Any]], list[int]]:
+        """-> ((connection, frame) that arrived, in order per connection; the connections that went away). Waits up
+        to timeout_s for the first."""
+        ready, _, _ = select.select([self.listener, *self.conns.values()], [], [], timeout_s)
+        frames: list[tuple[int, Any]] = []
+        lost: list[int] = []
         if self.listener in ready:
-            lost = self._accept()
-        frames: list[Any] = []
-        if self.conn is not None and self.conn in ready:
+            self._accept()
+        for cid, conn in list(self.conns.items()):
+            if conn not in ready:
+                continue
             try:
-                data = self.conn.recv(1 << 20)
+                data = conn.recv(1 << 20)
             except (BlockingIOError, InterruptedError):
-                data = None
+                continue
             except OSError:
                 data = b""
             if data == b"":
-                self._drop()
-                return frames, True
-            if data:
-                self._buf += data
-                frames = self._frames()
+                self.drop(cid)
+                lost.append(cid)
+                continue
+            buf = self._bufs[cid]
+            buf += data
+            try:
+                frames += [(cid, f) for f in _frames(buf)]
+            except (ValueError, pickle.UnpicklingError):  # not our frames: that gateway is cut off
+                self.drop(cid)
+                lost.append(cid)
         return frames, lost
 
-    def _accept(self) -> bool:
-        """Take a new gateway if it proves the secret; -> whether an old one was replaced."""
+    def _accept(self) -> None:
+        """Take a new gateway if it proves the secret."""
         try:
             conn, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
-            return False
+            return
         conn.settimeout(5.0)
         try:
             got = _recv_exactly(conn, SECRET_BYTES)
@@ -82,54 +91,61 @@ class StreamServer:
             got = b""
         if not hmac.compare_digest(got, self.secret):
             conn.close()
-            return False
+            return
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        replaced = self.conn is not None
-        self._drop()
-        self.conn = conn
-        return replaced
+        self._next += 1
+        self.conns[self._next], self._bufs[self._next] = conn, bytearray()
 
-    def _frames(self) -> list[Any]:
-        out, buf, pos = [], self._buf, 0
-        while len(buf) - pos >= _LEN.size:
-            (n,) = _LEN.unpack_from(buf, pos)
-            if n > MAX_FRAME:
-                raise ValueError(f"request stream frame of {n} bytes")
-            if len(buf) - pos - _LEN.size < n:
-                break
-            out.append(pickle.loads(bytes(buf[pos + _LEN.size:pos + _LEN.size + n])))
-            pos += _LEN.size + n
-        del buf[:pos]
-        return out
-
-    def send(self, obj: Any) -> bool:
-        """One frame to the gateway; False (and the connection dropped) when there is none or it stopped
-        reading for send_timeout_s."""
-        if self.conn is None:
+    def send(self, cid: int, obj: Any) -> bool:
+        """One frame to gateway `cid`; False (and the connection dropped) when it is gone or stopped reading for
+        send_timeout_s."""
+        conn = self.conns.get(cid)
+        if conn is None:
             return False
         data = memoryview(pack(obj))
         try:
             while data:
                 try:
-                    n = self.conn.send(data)
+                    n = conn.send(data)
                     data = data[n:]
                 except (BlockingIOError, InterruptedError):
-                    if not select.select([], [self.conn], [], self.send_timeout_s)[1]:
+                    if not select.select([], [conn], [], self.send_timeout_s)[1]:
                         raise TimeoutError("the gateway stopped reading") from None
         except OSError:
-            self._drop()
+            self.drop(cid)
             return False
         return True
 
-    def _drop(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-        self.conn, self._buf = None, bytearray()
+    def broadcast(self, obj: Any) -> None:
+        for cid in list(self.conns):
+            self.send(cid, obj)
+
+    def drop(self, cid: int) -> None:
+        conn = self.conns.pop(cid, None)
+        self._bufs.pop(cid, None)
+        if conn is not None:
+            conn.close()
 
     def close(self) -> None:
-        self._drop()
+        for cid in list(self.conns):
+            self.drop(cid)
         self.listener.close()
+
+
+def _frames(buf: bytearray) -> list[Any]:
+    """The whole frames at the front of `buf`, taken off it."""
+    out, pos = [], 0
+    while len(buf) - pos >= _LEN.size:
+        (n,) = _LEN.unpack_from(buf, pos)
+        if n > MAX_FRAME:
+            raise ValueError(f"request stream frame of {n} bytes")
+        if len(buf) - pos - _LEN.size < n:
+            break
+        out.append(pickle.loads(bytes(buf[pos + _LEN.size:pos + _LEN.size + n])))
+        pos += _LEN.size + n
+    del buf[:pos]
+    return out
 
 
 def _recv_exactly(conn: socket.socket, n: int) -> bytes:

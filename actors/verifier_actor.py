@@ -1,9 +1,9 @@
 """VerifierActor: the target, the scheduler and the step loop; the draft is in this actor (co-located) or reached
 over the step channel.
 
-The step loop runs in its own thread and owns the request stream to the gateway (actors/request_stream.py): it
-takes adds and aborts between steps and writes one frame of outputs per step, so no Ray call sits on the request
-path. Ray calls are the control plane: bring-up, health, stats, shutdown.
+The step loop runs in its own thread and owns the request stream to the gateways (actors/request_stream.py): it
+takes adds and aborts between steps and writes one frame of outputs per step to each gateway with sequences in it
+(a sequence's outputs go to the gateway that added it), so no Ray call sits on the request path. Ray calls are the control plane: bring-up, health, stats, shutdown.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class VerifierActor:
         self._error: str | None = None
         self._heartbeat = time.monotonic()
         self._counters = {"requests_finished": 0, "tokens_generated": 0, "steps": 0, "accepted": 0}
+        self._owner: dict[str, int] = {}  # sequence -> the request-stream connection (gateway) that added it
         self._thread: threading.Thread | None = None
         self._new_draft: RemoteDraft | None = None  # a replacement draft, swapped in between steps
         self._channel_lock = threading.Lock()  # the process-wide torch.distributed group: closed once, re-made once
@@ -129,17 +130,15 @@ class VerifierActor:
                 busy = self.llm.has_unfinished()
                 frames, lost = self.stream.poll(0.0 if busy else
                                                 COMPILE_POLL_S if self.grammar_adds.pending else IDLE_POLL_S)
-                if lost:  # the gateway that owned the open requests is gone
-                    self.grammar_adds.clear()
-                    for rid in list(self.llm.core.live_ids()):
-                        self.llm.abort(rid)
-                for frame in frames:
-                    self._apply(frame)
+                if lost:  # a gateway is gone: so are its sequences
+                    self._drop_gateways(set(lost))
+                for cid, frame in frames:
+                    self._apply(cid, frame)
                 for rid, req, error in self.grammar_adds.ready():  # compiled off the loop
                     if error is None:
                         self._add(rid, req)
                     else:
-                        self.stream.send(Rejected(rid, error))
+                        self._reject(rid, error)
                 self._heartbeat = time.monotonic()
                 self._swap_draft()
                 if self.llm.has_unfinished():
@@ -151,7 +150,7 @@ class VerifierActor:
                     self._keep_channel_alive()
         except Exception:  # the loop must not die silently: health reports it, the gateway fails every stream
             self._error = traceback.format_exc()
-            self.stream.send(Fatal("the step loop failed"))
+            self.stream.broadcast(Fatal("the step loop failed"))
         finally:
             self._stop = True
             if isinstance(self.llm.draft, RemoteDraft):
@@ -176,11 +175,23 @@ class VerifierActor:
                 self.llm.set_draft(None)
                 self._close_channel()
 
-    def _apply(self, frame: Inbound) -> None:
+    def _drop_gateways(self, lost: set[int]) -> None:
+        for rid in [rid for rid, cid in self._owner.items() if cid in lost]:
+            del self._owner[rid]
+            if not self.grammar_adds.cancel(rid):
+                self.llm.abort(rid)
+
+    def _reject(self, rid: str, message: str) -> None:
+        cid = self._owner.pop(rid, None)
+        if cid is not None:
+            self.stream.send(cid, Rejected(rid, message))
+
+    def _apply(self, cid: int, frame: Inbound) -> None:
         if isinstance(frame, Add):
             rid, prompt_ids, params, n, threshold = frame
+            self._owner[rid] = cid
             if self._draining:
-                self.stream.send(Rejected(rid, "draining: not accepting new requests"))
+                self._reject(rid, "draining: not accepting new requests")
                 return
             if params.get("structured_outputs") is not None:  # its grammar compiles in a worker thread
                 self.grammar_adds.submit(rid, rid, prompt_ids, params, n, threshold)
@@ -189,13 +200,16 @@ class VerifierActor:
                 req = self.llm.new_request(prompt_ids, SamplingParams(**params), request_id=rid,
                                            num_speculative_tokens=n, confidence_threshold=threshold)
             except (ValueError, TypeError) as e:
-                self.stream.send(Rejected(rid, str(e)))
+                self._reject(rid, str(e))
                 return
             self._add(rid, req)
         elif isinstance(frame, Abort):
             for rid in frame.request_ids:
+                if self._owner.get(rid) != cid:  # not this gateway's
+                    continue
                 if self.grammar_adds.cancel(rid):  # still compiling: it ends here
-                    self.stream.send(Step([Output(rid, [], "abort", RequestStats().to_dict())]))
+                    del self._owner[rid]
+                    self.stream.send(cid, Step([Output(rid, [], "abort", RequestStats().to_dict())]))
                 else:
                     self.llm.abort(rid)
 
@@ -203,7 +217,7 @@ class VerifierActor:
         try:
             self.llm.core.add(req)
         except ValueError as e:
-            self.stream.send(Rejected(rid, str(e)))
+            self._reject(rid, str(e))
 
     def _publish(self, outs: list[StepOutput]) -> None:
         c = self._counters
@@ -213,8 +227,13 @@ class VerifierActor:
                 c["requests_finished"] += 1
                 c["steps"] += o.stats["steps"]
                 c["accepted"] += o.stats["accepted"]
-        if outs:
-            self.stream.send(Step([Output(*o) for o in outs]))
+        by_gateway: dict[int, list[Output]] = {}
+        for o in outs:
+            cid = self._owner.get(o.request_id) if o.finish_reason is None else self._owner.pop(o.request_id, None)
+            if cid is not None:
+                by_gateway.setdefault(cid, []).append(Output(*o))
+        for cid, frame in by_gateway.items():
+            self.stream.send(cid, Step(frame))
 
     def drain(self) -> bool:
         self._draining = True

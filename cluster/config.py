@@ -43,6 +43,8 @@ class GatewayConfig:
     # first byte, on a kept-alive connection) gets 408 and the connection is closed (slow clients hold nothing)
     timeout_body_read_s: float = 30.0  # the same for the body, from the end of the head
     limit_concurrency: int = 1024  # open HTTP connections; one more gets 503 and is closed
+    api_server_count: int = 1  # gateway processes sharing the ports (vLLM's --api-server-count); each takes requests
+    metrics_dir: str | None = None  # with several: where their Prometheus metrics meet (set by the service)
 
     def validate(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -57,7 +59,8 @@ class GatewayConfig:
             raise ValueError(f"tool_call_parser must be hermes, got {self.tool_call_parser!r}")
         for name in ("max_request_bytes", "max_control_request_bytes", "max_stop_strings", "max_stop_string_chars",
                      "max_stop_token_ids", "max_abort_ids", "max_queue", "max_n", "max_recent_aborts",
-                     "h11_max_incomplete_event_size", "h11_max_header_count", "limit_concurrency"):
+                     "h11_max_incomplete_event_size", "h11_max_header_count", "limit_concurrency",
+                     "api_server_count"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("abort_window_s", "timeout_keep_alive_s", "timeout_header_read_s", "timeout_body_read_s"):

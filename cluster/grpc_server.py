@@ -30,7 +30,7 @@ class GatewayServer:
         self.port = 0
         self.http = None  # http_server.HttpServer, with cfg.http_port
         self.http_port: int | None = None
-        self.metrics_sink = PrometheusSink() if cfg.http_port is not None else None  # /metrics lives on HTTP
+        self.metrics_sink = PrometheusSink(cfg.metrics_dir) if cfg.http_port is not None else None  # /metrics lives on HTTP
         self._tasks: list[asyncio.Task] = []
         self.pair_gone: Callable[[], Awaitable[bool]] | None = None  # true: draining waits for nothing
         self._stopped = asyncio.Event()

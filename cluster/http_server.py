@@ -33,6 +33,8 @@ class HttpServer:
         c = self.cfg
         sock = socket.socket(socket.AF_INET6 if ":" in c.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if c.api_server_count > 1:  # every gateway process listens here; the kernel spreads the connections
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((c.host, c.http_port))
         config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 http=protocol_class(c), h11_max_incomplete_event_size=c.h11_max_incomplete_event_size,

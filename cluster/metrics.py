@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,27 +30,42 @@ Record = Callable[..., None]  # record(value, **labels): a counter's inc, a hist
 
 
 class PrometheusSink:
-    """prometheus_client metrics on a registry of their own, so several servers in one process do not clash."""
+    """prometheus_client metrics on a registry of their own, so several servers in one process do not clash. With
+    `multiproc_dir` (several gateway processes; prometheus_client's multiprocess mode, which its environment variable
+    PROMETHEUS_MULTIPROC_DIR must have selected before it was imported) every process writes its values there and
+    each one's /metrics reads them all: counters and histograms summed, gauges the latest."""
 
-    def __init__(self) -> None:
+    def __init__(self, multiproc_dir: str | None = None) -> None:
         from prometheus_client import CollectorRegistry
 
+        if multiproc_dir is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR") != multiproc_dir:
+            raise RuntimeError("shared metrics need PROMETHEUS_MULTIPROC_DIR set to their folder before "
+                               "prometheus_client is imported")
         self.registry = CollectorRegistry()
+        self.multiproc_dir = multiproc_dir
 
     def metric(self, kind: str, name: str, doc: str, labels: tuple[str, ...],
                buckets: tuple[float, ...] = ()) -> Record:
         import prometheus_client as prom
 
         kw = {"buckets": buckets} if kind == "histogram" else {}
+        if kind == "gauge" and self.multiproc_dir is not None:
+            kw["multiprocess_mode"] = "mostrecent"
         m = getattr(prom, kind.capitalize())(PREFIX + name, doc, labels, registry=self.registry, **kw)
         op = {"counter": "inc", "histogram": "observe", "gauge": "set"}[kind]
         return lambda value, **tags: getattr(m.labels(**tags), op)(value)
 
     def text(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if self.multiproc_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self.multiproc_dir)
+        return generate_latest(merged), CONTENT_TYPE_LATEST
 
 
 class RaySink:

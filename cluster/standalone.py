@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import sys
+import tempfile
 import threading
 from dataclasses import replace
 from collections.abc import Callable
@@ -34,7 +36,9 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
 
 
 async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[[Any], None] | None = None) -> None:
-    """`on_ready(server)`: the started grpc_server.GatewayServer (its port, its http_port)."""
+    """`on_ready(server)`: the started grpc_server.GatewayServer (its port, its http_port), once every gateway
+    process serves."""
+    from .gateway_procs import GatewayProcs
     from .grpc_server import GatewayServer
     from .pair import create_pair
     from .supervisor import PairSupervisor
@@ -42,19 +46,47 @@ async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[
     loop = asyncio.get_running_loop()
     pair = await loop.run_in_executor(None, create_pair, pair_cfg)
     server = GatewayServer(pair.verifier, gw_cfg)
-    supervisor = None
+    supervisor, procs = None, None
     try:
         await server.start()
-        supervisor = PairSupervisor(pair_cfg, pair, server.core.detach, lambda p: server.core.attach(p.verifier),
-                                    lambda: server.core.draining)
+        if gw_cfg.api_server_count > 1:
+            import ray
+
+            others = replace(gw_cfg, port=server.port, http_port=server.http_port, health_port=None)
+            procs = GatewayProcs(gw_cfg.api_server_count, ray._private.worker.global_worker.node.gcs_address,
+                                 pair.verifier, others)
+            await loop.run_in_executor(None, procs.start)
+
+        async def lost() -> None:
+            if procs is not None:
+                procs.detach()
+            await server.core.detach()
+
+        async def new_pair(p) -> None:
+            await server.core.attach(p.verifier)
+            if procs is not None:
+                procs.attach(p.verifier)
+
+        supervisor = PairSupervisor(pair_cfg, pair, lost, new_pair, lambda: server.core.draining)
         watch = loop.create_task(supervisor.run())
         server.pair_gone = _ray_gone
-        server.install_signal_handlers()
+
+        async def drain() -> None:
+            if procs is not None:
+                procs.drain()
+            await server.drain_and_stop()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: loop.create_task(drain()))
         if on_ready is not None:
             on_ready(server)
         await server.wait()
         watch.cancel()
+        if procs is not None:
+            await procs.wait(gw_cfg.drain_timeout_s + 5)
     finally:
+        if procs is not None:
+            procs.stop()
         if supervisor is not None:
             supervisor.stop()
             pair = supervisor.pair
@@ -105,6 +137,15 @@ def ray_reachable(timeout_s: float = 0.5) -> bool:
 
 
 def run(pair_cfg: PairConfig, gw_cfg: GatewayConfig, address: str | None, num_cpus: int | None) -> int:
+    with tempfile.TemporaryDirectory(prefix="dspark-metrics-") as metrics_dir:
+        if gw_cfg.api_server_count > 1 and gw_cfg.http_port is not None:
+            # prometheus_client reads it when first imported, here and in the gateway processes (which inherit it)
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+            gw_cfg = replace(gw_cfg, metrics_dir=metrics_dir)
+        return _run(pair_cfg, gw_cfg, address, num_cpus)
+
+
+def _run(pair_cfg: PairConfig, gw_cfg: GatewayConfig, address: str | None, num_cpus: int | None) -> int:
     start_ray(address, num_cpus)
     log_requests_to_stderr()
     import ray
@@ -116,7 +157,8 @@ def run(pair_cfg: PairConfig, gw_cfg: GatewayConfig, address: str | None, num_cp
         if server.http_port is not None:  # first: the gRPC line below is the one scripts wait for
             print(f"dspark-serve: serving the OpenAI-compatible HTTP API on {gw_cfg.host}:{server.http_port}",
                   flush=True)
-        print(f"dspark-serve: serving dspark.v1.Generation on {gw_cfg.host}:{server.port}", flush=True)
+        print(f"dspark-serve: serving dspark.v1.Generation on {gw_cfg.host}:{server.port}"
+              + (f" ({gw_cfg.api_server_count} gateway processes)" if gw_cfg.api_server_count > 1 else ""), flush=True)
 
     try:
         asyncio.run(serve(pair_cfg, gw_cfg, ready))

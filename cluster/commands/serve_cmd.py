@@ -58,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
                             timeout_header_read_s=args.timeout_header_read, timeout_body_read_s=args.timeout_body_read,
                             limit_concurrency=args.limit_concurrency,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
-                            tool_call_parser=args.tool_call_parser)
+                            tool_call_parser=args.tool_call_parser, api_server_count=args.api_server_count)
     try:
         engine = EngineConfig.from_options({**split_options(vars(args))[0], "target": target})
         pair = PairConfig.from_options(engine, deployment)
@@ -136,8 +136,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds between pings of an idle step channel, below --channel-timeout (default 20)")
     s.add_argument("--target-resources", help='custom Ray resources for the verifier, JSON, e.g. {"target_gpu": 1}')
     s.add_argument("--draft-resources", help='custom Ray resources for the draft, JSON, e.g. {"draft_gpu": 1}')
+    s.add_argument("--api-server-count", "-asc", type=int, default=1,
+                   help="gateway processes (gRPC and HTTP) sharing the ports, each with its own event loop and "
+                        "connection to the step loop: the kernel spreads client connections over them, so many "
+                        "arriving streams are taken in in parallel (vLLM's flag; default 1)")
     s.add_argument("--max-queue", type=int, default=256,
-                   help="queued + running requests before RESOURCE_EXHAUSTED")
+                   help="queued + running requests before RESOURCE_EXHAUSTED (per gateway process)")
     s.add_argument("--stream-messages-per-s", type=float, default=6000.0,
                    help="chunk messages per second the gateway aims for over all streams: with many streams each "
                         "message carries several steps (default 6000)")
