@@ -5,6 +5,7 @@ channel's ms per step, plain and speculative, at each concurrency, for
   default   `dspark-serve serve` with default flags (one GPU: the draft inside the verifier actor)
   colocate  `dspark-serve serve --colocate`
   split     `dspark-serve serve --no-colocate` (separate draft actor and step channel)
+  gateways  `dspark-serve serve --api-server-count N` (--api-server-count, default 4: N gateway processes)
   serve     Ray Serve's gRPC proxy, with deploy/serve.yaml pointed at the same pair
 
 Held-out code prompts through the target's chat template, greedy, each level c keeping c requests in flight
@@ -12,7 +13,7 @@ until --requests have run (a warm-up wave first); with --request-rates, requests
 at each rate (requests/s, as vLLM's serving benchmark --request-rate), with no cap on those in flight, and each
 rate reports goodput: the requests per second that met TTFT <= --goodput-ttft-ms and TPOT <= --goodput-tpot-ms.
 Plain = speculation disabled per request on the same server. Clients run in several processes, so that the
-gateway, not the load generator, is what is measured.
+gateway, not the load generator, is what is measured, and each of the c clients has a connection of its own.
 
 usage: python bench/bench_service.py [--target DIR] [--draft DIR] [--levels 1 8 32 64] [--request-rates 4 16 64]
                                      [--requests 64] [--max-tokens 128] [--layouts engine default split serve]
@@ -33,7 +34,8 @@ from pathlib import Path
 from servers import ROOT, drain, start_serve, start_server, stop
 
 BENCH = Path(__file__).resolve().parent
-LAYOUT_FLAGS = {"default": [], "colocate": ["--colocate"], "split": ["--no-colocate"]}
+LAYOUT_FLAGS = {"default": [], "colocate": ["--colocate"], "split": ["--no-colocate"], "gateways": []}
+POISSON_CONNECTIONS = 8  # per client process, taken in turn by arrivals
 
 
 def chat_prompts(target: str, n: int, kind: str = "code") -> tuple[list[str], str]:
@@ -182,20 +184,24 @@ def engine_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
 
 async def _client(address: str, application: str | None, jobs: list[tuple], concurrency: int,
                   max_tokens: int, start_at: float) -> list[dict]:
-    """Jobs (prompt, plain) kept `concurrency` in flight; or (prompt, plain, offset) each sent at start_at + offset
-    (concurrency 0: as many in flight as arrived)."""
+    """Jobs (prompt, plain) kept `concurrency` in flight, each client on a connection of its own (as separate
+    clients are: several gateway processes then share them); or (prompt, plain, offset) each sent at start_at + offset
+    (concurrency 0: as many in flight as arrived) over POISSON_CONNECTIONS connections in turn."""
     import grpc
 
     from dspark_serve.cluster.grpc_client import DSparkClient
     from dspark_serve.protos.dspark.v1 import dspark_pb2_grpc
 
     metadata = (("application", application),) if application else None
-    async with grpc.aio.insecure_channel(address) as channel:
-        await asyncio.wait_for(channel.channel_ready(), 30)  # connected before the clock starts
-        stub = dspark_pb2_grpc.GenerationStub(channel)
+    channels = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(concurrency or POISSON_CONNECTIONS)]
+    try:
+        # connected before the clock starts
+        await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels)), 30)
+        stubs = [dspark_pb2_grpc.GenerationStub(ch) for ch in channels]
         queue, records = list(jobs), []
 
-        async def one(prompt: str, plain: bool, at: float | None = None) -> None:
+        async def one(stub, prompt: str, plain: bool, at: float | None = None) -> None:
             if at is not None:
                 await asyncio.sleep(max(0.0, start_at + at - time.monotonic()))
             req = DSparkClient.request(prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
@@ -203,16 +209,19 @@ async def _client(address: str, application: str | None, jobs: list[tuple], conc
             rec = {"t0": time.monotonic(), "t_first": None}
             await _stream(stub, req, metadata, rec, records)
 
-        async def worker() -> None:
+        async def worker(stub) -> None:
             while queue:
-                await one(*queue.pop(0))
+                await one(stub, *queue.pop(0))
 
         await asyncio.sleep(max(0.0, start_at - time.monotonic()))
         if concurrency == 0:
-            await asyncio.gather(*(one(*job) for job in jobs))
+            await asyncio.gather(*(one(stubs[i % len(stubs)], *job) for i, job in enumerate(jobs)))
         else:
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            await asyncio.gather(*(worker(stub) for stub in stubs))
         return records
+    finally:
+        for ch in channels:
+            await ch.close()
 
 
 async def _stream(stub, req, metadata, rec: dict, records: list[dict]) -> None:
@@ -389,7 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "round)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--layouts", nargs="+", default=["engine", "default", "split", "serve"],
-                    choices=["engine", "default", "colocate", "split", "serve"])
+                    choices=["engine", "default", "colocate", "split", "gateways", "serve"])
+    ap.add_argument("--api-server-count", type=int, default=4, help="gateway processes of the gateways layout")
     ap.add_argument("--num-kv-blocks", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--client-procs", type=int, default=8, help="load-generator processes at most")
@@ -411,7 +421,8 @@ def main(argv: list[str] | None = None) -> dict:
         for layout in [x for x in args.layouts if x != "engine"]:
             t0 = time.monotonic()
             proc, address = start_serve(args, serve_config(args, Path(tmp))) if layout == "serve" else \
-                start_server(args, LAYOUT_FLAGS[layout])
+                start_server(args, LAYOUT_FLAGS[layout] + (
+                    ["--api-server-count", str(args.api_server_count)] if layout == "gateways" else []))
             drain(proc)
             print(f"{layout}: up in {time.monotonic() - t0:.1f} s at {address}", flush=True)
             try:

@@ -1,5 +1,5 @@
 """bench/bench_service.py on a tiny pair for seconds: fixed concurrency (two alternated rounds) and Poisson arrivals,
-in the engine and through a real server, with TTFT/TPOT percentiles and goodput per row."""
+in the engine and through a real server of two gateway processes, with TTFT/TPOT percentiles and goodput per row."""
 
 import json
 import subprocess
@@ -19,18 +19,18 @@ def test_bench_service_runs_concurrency_and_request_rates(tmp_path):
     out = tmp_path / "service.json"  # its client processes import it by name: a script run, not an import
     subprocess.run([sys.executable, str(BENCH / "bench_service.py"), "--target", str(target), "--draft", str(draft),
                     "--speculative-config", "{}", "--device", "cpu", "--levels", "2", "--request-rates", "8",
-                    "--requests", "4", "--max-tokens", "6", "--layouts", "engine", "default", "--num-kv-blocks", "256",
+                    "--requests", "4", "--max-tokens", "6", "--layouts", "engine", "gateways", "--api-server-count", "2", "--num-kv-blocks", "256",
                     "--max-model-len", "512", "--client-procs", "2", "--rounds", "2", "--json", str(out)], check=True,
                    timeout=600)
     r = json.loads(out.read_text())
     loads = {(row["layout"], row["concurrency"], row["mode"]) for row in r["rows"]}
-    assert loads == {(layout, level, mode) for layout in ("engine", "default") for level in (2, "8/s")
+    assert loads == {(layout, level, mode) for layout in ("engine", "gateways") for level in (2, "8/s")
                      for mode in ("plain", "spec")}
     for row in r["rows"]:
         assert row["requests"] == 4 and row["errors"] == 0 and row["tokens"] == 24, row
         assert 0.0 <= row["goodput_frac"] <= 1.0 and row["tpot_ms_p99"] >= row["tpot_ms_p50"] > 0
     rounds = sorted((row["layout"], row["mode"], row["round"]) for row in r["rows"] if row["concurrency"] == 2)
-    assert rounds == sorted((layout, mode, rnd) for layout in ("engine", "default") for mode in ("plain", "spec")
+    assert rounds == sorted((layout, mode, rnd) for layout in ("engine", "gateways") for mode in ("plain", "spec")
                             for rnd in (0, 1))  # each level's runs twice, alternating; the rates once
     assert sorted((s["layout"], s["round"]) for s in r["summary"] if s["concurrency"] == 2) == \
-        [("default", 0), ("default", 1), ("engine", 0), ("engine", 1)]
+        [("engine", 0), ("engine", 1), ("gateways", 0), ("gateways", 1)]
