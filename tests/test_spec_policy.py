@@ -285,3 +285,27 @@ def test_the_server_wide_estimate_outlives_a_wave_s_slowest_requests():
     fresh = _reqs(1)
     view = policy.view(fresh)
     assert view.survival[0, 0] > 0.85 and view.survival[0, 2] > 0.6
+
+
+def test_drafting_steps_with_pinned_rows_do_not_count_as_the_policy_s_rate():
+    """A step whose rows pinned their drafts tells the host's share of a step, not how many tokens per millisecond
+    the policy's own budgets yield: its emitted tokens are not reported (so a run of k = 1 requests cannot make
+    plain decoding look faster than drafting); the policy's own drafting steps are."""
+    target, draft = build_pair(seed=3, agree=0.01)
+    llm = LLM(target, draft, {}, device="cpu", block_size=8, num_kv_blocks=256, max_num_seqs=4)
+    told = []
+    policy = llm.scheduler.policy
+    policy.timed = lambda *a, **kw: told.append((a, kw))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for pin in (1, None):
+        told.clear()
+        for i in range(3):
+            llm.add_request([3, 1, 4, i], params, num_speculative_tokens=pin)
+        while llm.has_unfinished():
+            llm.step()
+        drafted = [a[5] if len(a) > 5 else kw.get("emitted") for a, kw in told if a[2]]
+        assert drafted, told
+        if pin is None:
+            assert all(isinstance(e, int) and e >= 1 for e in drafted)
+        else:
+            assert all(e is None for e in drafted)

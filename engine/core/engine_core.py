@@ -89,9 +89,10 @@ class EngineCore:
             d = plan.decode
             if d is not None and not plan.prefill and self.scheduler.has_unfinished():  # a pure decode step, more to come
                 rows = result.decoded
+                # a drafting step with pinned rows tells the host's time, not what the policy's budget yields
+                emitted = None if result.drafted and any(d.pinned) else sum(r.accepted + 1 for r in rows)
                 self._timing = (self._timing[0], (len(d.reqs), len(d.reqs) + sum(r.verified for r in rows),
-                                                  result.drafted, result.drafted == self._drafted,
-                                                  sum(r.accepted + 1 for r in rows)))
+                                                  result.drafted, result.drafted == self._drafted, emitted))
             self._drafted = result.drafted if d is not None else self._drafted
             return outputs
 
