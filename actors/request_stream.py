@@ -1,6 +1,6 @@
 """The request stream between the gateways and the verifier's step loop: one TCP connection per gateway process,
-carrying adds and aborts in, and one frame of outputs per step out. Ray only sets it up (the address and a secret, over Ray's
-authenticated calls); the connection is authenticated by the secret before any frame is read.
+carrying adds and aborts in, and one frame of outputs per step out. Ray only sets it up (the address and a secret,
+over Ray's authenticated calls); the connection is authenticated by the secret before any frame is read.
 
 Frames: a 4-byte big-endian length, then a pickle of one of actors/frames.py's named tuples: Add and Abort in;
 Step (every sequence's Output of one step), Rejected and Fatal out.

@@ -2,8 +2,9 @@
 over the step channel.
 
 The step loop runs in its own thread and owns the request stream to the gateways (actors/request_stream.py): it
-takes adds and aborts between steps and writes one frame of outputs per step to each gateway with sequences in it
-(a sequence's outputs go to the gateway that added it), so no Ray call sits on the request path. Ray calls are the control plane: bring-up, health, stats, shutdown.
+takes adds and aborts between steps and writes one frame of outputs per step to each gateway with sequences in
+it (a sequence's outputs go to the gateway that added it), so no Ray call sits on the request path. Ray calls are
+the control plane: bring-up, health, stats, shutdown.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
                             timeout_header_read_s=args.timeout_header_read, timeout_body_read_s=args.timeout_body_read,
                             limit_concurrency=args.limit_concurrency,
                             enable_auto_tool_choice=args.enable_auto_tool_choice,
-                            tool_call_parser=args.tool_call_parser, api_server_count=args.api_server_count)
+                            tool_call_parser=args.tool_call_parser,
+                            api_server_count=args.api_server_count)
     try:
         engine = EngineConfig.from_options({**split_options(vars(args))[0], "target": target})
         pair = PairConfig.from_options(engine, deployment)
