@@ -39,21 +39,40 @@ class GatewayProcs:
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start them and wait until each serves; RuntimeError naming the first that did not."""
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no Ray, grpc or CUDA state inherited
         for i in range(1, self.count):
-            ours, theirs = ctx.Pipe()
-            spec = GatewayProcSpec(self.gcs_address, self.verifier, self.cfg, i)
-            p = ctx.Process(target=main, args=(spec, theirs), name=f"dspark-gateway-{i}", daemon=True)
-            p.start()
-            theirs.close()
-            self.procs.append(p)
-            self.pipes.append(ours)
-        for i, pipe in enumerate(self.pipes, 1):
-            if not pipe.poll(timeout_s):
-                raise RuntimeError(f"gateway process {i} did not start within {timeout_s:g} s")
-            kind, detail = pipe.recv()
-            if kind != "ready":
-                raise RuntimeError(f"gateway process {i} failed to start: {detail}")
+            self.procs.append(None)
+            self.pipes.append(None)
+            self._spawn(i)
+        for i in range(1, self.count):
+            self._ready(i, timeout_s)
+
+    def _spawn(self, i: int) -> None:
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no Ray, grpc or CUDA state inherited
+        ours, theirs = ctx.Pipe()
+        spec = GatewayProcSpec(self.gcs_address, self.verifier, self.cfg, i)
+        p = ctx.Process(target=main, args=(spec, theirs), name=f"dspark-gateway-{i}", daemon=True)
+        p.start()
+        theirs.close()
+        self.procs[i - 1], self.pipes[i - 1] = p, ours
+
+    def _ready(self, i: int, timeout_s: float) -> None:
+        pipe = self.pipes[i - 1]
+        if not pipe.poll(timeout_s):
+            raise RuntimeError(f"gateway process {i} did not start within {timeout_s:g} s")
+        kind, detail = pipe.recv()
+        if kind != "ready":
+            raise RuntimeError(f"gateway process {i} failed to start: {detail}")
+
+    def revive(self, timeout_s: float = START_TIMEOUT_S) -> list[int]:
+        """Start again each process that died (not one that drained: call it while serving) -> their numbers.
+        Its connections' streams failed with it; clients reconnect to the port and land on any process."""
+        dead = [i for i, p in enumerate(self.procs, 1) if p is not None and p.exitcode is not None]
+        for i in dead:
+            self.pipes[i - 1].close()
+            self._spawn(i)
+        for i in dead:
+            self._ready(i, timeout_s)
+        return dead
 
     def _tell(self, *msg: Any) -> None:
         for pipe in self.pipes:
@@ -63,7 +82,8 @@ class GatewayProcs:
                 pass
 
     def attach(self, verifier: Any) -> None:
-        self._tell("attach", pickle.dumps(verifier))
+        self.verifier = pickle.dumps(verifier)  # also for a process started again later
+        self._tell("attach", self.verifier)
 
     def detach(self) -> None:
         self._tell("detach")

@@ -4,6 +4,7 @@ draft+verifier pair, the gateway; drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -16,6 +17,9 @@ from typing import Any
 
 from .config import GatewayConfig, PairConfig
 from .metrics import log_requests_to_stderr
+
+log = logging.getLogger(__name__)
+REVIVE_S = 1.0  # how often the gateway processes are looked at
 
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> None:
@@ -67,21 +71,31 @@ async def serve(pair_cfg: PairConfig, gw_cfg: GatewayConfig, on_ready: Callable[
             if procs is not None:
                 procs.attach(p.verifier)
 
-        supervisor = PairSupervisor(pair_cfg, pair, lost, new_pair, lambda: server.core.draining)
-        watch = loop.create_task(supervisor.run())
-        server.pair_gone = _ray_gone
-
         async def drain() -> None:
             if procs is not None:
                 procs.drain()
             await server.drain_and_stop()
 
+        async def revive() -> None:  # a gateway process that died is started again while the service serves
+            while procs is not None and not server.core.draining:
+                try:
+                    for i in await loop.run_in_executor(None, procs.revive):
+                        log.warning("gateway process %d died and was started again", i)
+                except RuntimeError as e:
+                    log.error("%s; retrying", e)
+                await asyncio.sleep(REVIVE_S)
+
+        supervisor = PairSupervisor(pair_cfg, pair, lost, new_pair, lambda: server.core.draining)
+        watch = loop.create_task(supervisor.run())
+        reviver = loop.create_task(revive())
+        server.pair_gone = _ray_gone
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: loop.create_task(drain()))
         if on_ready is not None:
             on_ready(server)
         await server.wait()
         watch.cancel()
+        reviver.cancel()
         if procs is not None:
             await procs.wait(gw_cfg.drain_timeout_s + 5)
     finally:

@@ -1,9 +1,12 @@
 """Several gateway processes on one step loop (`--api-server-count`): the step loop answers each gateway for its own
 sequences only and ends a gone gateway's; the service spreads client connections over its gateway processes,
-merges their metrics, re-points them all at a new pair, and stops them all on SIGTERM."""
+merges their metrics, re-points them all at a new pair, starts a dead one again, and stops them all on SIGTERM."""
 
 import json
+import os
+import signal
 import socket
+import subprocess
 import time
 import urllib.request
 
@@ -78,19 +81,20 @@ def _own_connection(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
-def _generate_on_own_connections(address: str, n: int) -> list[tuple[int, int]]:
+def _generate_on_own_connections(address: str, n: int) -> list[tuple[int, int, int]]:
     """n requests, each on its own connection, all in flight together; -> per request (tokens, that gateway's
-    finished count read afterwards on the same connection)."""
+    finished count read on the same connection before and after)."""
     channels = [_own_connection(address) for _ in range(n)]
     try:
         stubs = [dspark_pb2_grpc.GenerationStub(ch) for ch in channels]
+        count = lambda stub: sum(stub.GetServerStats(pb.GetServerStatsRequest(),  # noqa: E731
+                                                     timeout=10).finished_by_reason.values())
+        before = [count(stub) for stub in stubs]
         req = lambda i: DSparkClient.request([3, 1, 4, i], temperature=0.0, max_tokens=12,  # noqa: E731
                                              ignore_eos=True)
         calls = [stub.Generate(req(i), timeout=60) for i, stub in enumerate(stubs)]
         tokens = [len(list(call)[-1].complete.output_ids) for call in calls]
-        counts = [sum(stub.GetServerStats(pb.GetServerStatsRequest(), timeout=10).finished_by_reason.values())
-                  for stub in stubs]
-        return list(zip(tokens, counts))
+        return list(zip(tokens, before, [count(stub) for stub in stubs]))
     finally:
         for ch in channels:
             ch.close()
@@ -107,9 +111,9 @@ def test_a_service_of_two_gateway_processes_spreads_merges_recovers_and_stops(tm
     srv = ServerProcess(target, draft, "--http-port", "0", "--api-server-count", "2", "--drain-timeout", "2")
     try:
         results = _generate_on_own_connections(srv.address, 16)
-        assert [t for t, _ in results] == [12] * 16
+        assert [r[0] for r in results] == [12] * 16
         # each process counts what it served: neither served all 16, so both took connections
-        assert max(c for _, c in results) < 16, results
+        assert max(r[2] for r in results) < 16, results
         for i in range(4):  # HTTP too: a connection per request, any process answers
             body = json.dumps({"model": str(target), "prompt": [3, 1, 4, i], "max_tokens": 5, "temperature": 0,
                                "ignore_eos": True}).encode()
@@ -129,7 +133,20 @@ def test_a_service_of_two_gateway_processes_spreads_merges_recovers_and_stops(tm
         c.close()
         time.sleep(1.0)  # the other process's health follows within its probe period
         results = _generate_on_own_connections(srv.address, 8)
-        assert [t for t, _ in results] == [12] * 8
+        assert [r[0] for r in results] == [12] * 8
+
+        # a gateway process that dies is started again; until then its port-mates take the new connections
+        spawned = subprocess.run(["pgrep", "-s", str(srv.proc.pid), "-f", "multiprocessing.spawn"],
+                                 capture_output=True, text=True).stdout.split()
+        assert len(spawned) == 1, spawned
+        os.kill(int(spawned[0]), signal.SIGKILL)
+        end = time.monotonic() + 60
+        while "was started again" not in "".join(srv.log) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert "gateway process 1 died and was started again" in "".join(srv.log)
+        results = _generate_on_own_connections(srv.address, 16)
+        assert [r[0] for r in results] == [12] * 16
+        assert any(r[1] == 0 for r in results), results  # the new process, which had served nothing, took some
 
         srv.terminate()
         assert srv.wait(60) == 0
