@@ -69,8 +69,11 @@ def arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def summarize(records: list[dict], wall_s: float) -> dict:
-    """records: per request t0, t_first, t_end (seconds), tokens, steps, accepted, transfer_ms, and the step
-    loop's own first_token_ms and queue_ms."""
+    """records: per request t0, t_first, t_end (seconds), tokens, steps, accepted, transfer_ms, the step loop's
+    own first_token_ms and queue_ms, and served, the gateway's gateway_intake_ms and gateway_first_token_ms. A
+    served TTFT splits (p50s) into: outside the gateway (the client's TTFT less the gateway's, grpc both ways),
+    the gateway's intake (to its Add), the Add's wait for the step loop (the gateway's TTFT less its intake and the
+    loop's) and the loop's own."""
     ok = [r for r in records if "error" not in r]
     good = [r for r in ok if 1e3 * (r["t_first"] - r["t0"]) <= GOODPUT["ttft_ms"]
             and 1e3 * (r["t_end"] - r["t_first"]) / max(r["tokens"] - 1, 1) <= GOODPUT["tpot_ms"]]
@@ -86,7 +89,19 @@ def summarize(records: list[dict], wall_s: float) -> dict:
             "tau": (sum(r["accepted"] for r in ok) + steps) / max(steps, 1),
             "channel_ms_per_step": sum(r["transfer_ms"] for r in ok) / max(steps, 1),
             "loop_ttft_ms_p50": statistics.median(r["first_token_ms"] for r in ok) if ok else float("nan"),
-            "queue_ms_p50": statistics.median(r["queue_ms"] for r in ok) if ok else float("nan")}
+            "queue_ms_p50": statistics.median(r["queue_ms"] for r in ok) if ok else float("nan"),
+            **_ttft_split(ok)}
+
+
+def _ttft_split(ok: list[dict]) -> dict:
+    served = [r for r in ok if r.get("gateway_first_token_ms")]
+    if not served:
+        return {}
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    return {"outside_gateway_ms_p50": med(1e3 * (r["t_first"] - r["t0"]) - r["gateway_first_token_ms"] for r in served),
+            "gateway_intake_ms_p50": med(r["gateway_intake_ms"] for r in served),
+            "add_wait_ms_p50": med(r["gateway_first_token_ms"] - r["gateway_intake_ms"] - r["first_token_ms"]
+                                   for r in served)}
 
 
 # -- the in-process engine ---------------------------------------------------------------------------------------
@@ -237,7 +252,8 @@ async def _stream(stub, req, metadata, rec: dict, records: list[dict]) -> None:
                 s = msg.complete.stats
                 rec.update(t_end=time.monotonic(), tokens=len(msg.complete.output_ids), steps=s.num_spec_steps,
                            accepted=s.num_accepted_tokens, transfer_ms=s.transfer_ms,
-                           first_token_ms=s.first_token_ms, queue_ms=s.queue_ms)
+                           first_token_ms=s.first_token_ms, queue_ms=s.queue_ms,
+                           gateway_intake_ms=s.gateway_intake_ms, gateway_first_token_ms=s.gateway_first_token_ms)
     except grpc.aio.AioRpcError as e:
         rec = {"error": e.code().name}
     records.append(rec)
@@ -317,7 +333,10 @@ def _line(r: dict) -> str:
             f"{r['tau']:.2f}  channel {r['channel_ms_per_step']:.3f} ms/step  loop TTFT p50 {r['loop_ttft_ms_p50']:.2f} "
             f"queue {r['queue_ms_p50']:.2f} ms  graphs +{r.get('graphs_recorded_during', 0)}  kernels "
             f"+{r.get('kernels_compiled_during', 0)} ({r.get('kernels_compiled_since_start', 0)} since start)  "
-            f"errors {r['errors']}")
+            f"errors {r['errors']}"
+            + (f"  TTFT split p50: outside the gateway {r['outside_gateway_ms_p50']:.2f}, intake "
+               f"{r['gateway_intake_ms_p50']:.2f}, Add wait {r['add_wait_ms_p50']:.2f} ms"
+               if "outside_gateway_ms_p50" in r else ""))
 
 
 # -- servers -------------------------------------------------------------------------------------------------------

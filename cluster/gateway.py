@@ -52,6 +52,8 @@ class _Ended:
     num_seqs: int = 0
     num_prompt_tokens: int = 0
     done: set[int] = field(default_factory=set)  # sequences whose final message went out
+    start: float = 0.0  # time.monotonic() when the gateway took the request
+    intake_ms: float = 0.0  # from then to its Adds to the step loop
 
 
 class GatewayCore:
@@ -177,8 +179,10 @@ class GatewayCore:
                        caller: str) -> AsyncIterator[pb.GenerateResponse]:
         """_generate's messages. Every sequence the step loop was given ends counted by reason, in `finished` and
         `metrics` (with its time to first token and end to end as the gateway saw them): its final message's, else
-        "abort" (the client cancelled or left, or its deadline passed) or "error" (the pair failed)."""
-        start, first, outputs, ended, reason = time.monotonic(), {}, {}, _Ended(), "abort"
+        "abort" (the client cancelled or left, or its deadline passed) or "error" (the pair failed). Each Complete's
+        stats carry the gateway's own times: to the Add (gateway_intake_ms) and to the first chunk."""
+        start, first, outputs, reason = time.monotonic(), {}, {}, "abort"
+        ended = _Ended(start=start)
         try:
             async with aclosing(self._generate(req, deadline_s, caller, ended)) as stream:
                 async for response in stream:
@@ -188,6 +192,9 @@ class GatewayCore:
                         outputs.setdefault(i, []).extend(response.chunk.token_ids)
                     else:
                         ended.done.add(i)
+                        stats = response.complete.stats
+                        stats.gateway_intake_ms = ended.intake_ms
+                        stats.gateway_first_token_ms = 1e3 * first.get(i, 0.0)
                         self._count(response.request_id, i, response.complete, first.get(i), time.monotonic() - start)
                     yield response
         except GatewayError as e:
@@ -261,6 +268,7 @@ class GatewayCore:
                 self.conn.send(Add(key, ids, convert.sequence_params(params, i), n, threshold))
                 live.sent = True
             ended.num_seqs, ended.num_prompt_tokens = num_seqs, len(ids)
+            ended.intake_ms = 1e3 * (time.monotonic() - ended.start)
             sent = None  # when the last chunk went out
             while not all(done):
                 try:

@@ -29,6 +29,9 @@ def test_bench_service_runs_concurrency_and_request_rates(tmp_path):
     for row in r["rows"]:
         assert row["requests"] == 4 and row["errors"] == 0 and row["tokens"] == 24, row
         assert 0.0 <= row["goodput_frac"] <= 1.0 and row["tpot_ms_p99"] >= row["tpot_ms_p50"] > 0
+        if row["layout"] == "gateways":  # a served TTFT split into where it went
+            assert row["gateway_intake_ms_p50"] > 0 and row["outside_gateway_ms_p50"] > 0
+            assert row["add_wait_ms_p50"] >= 0 and row["loop_ttft_ms_p50"] > 0
     rounds = sorted((row["layout"], row["mode"], row["round"]) for row in r["rows"] if row["concurrency"] == 2)
     assert rounds == sorted((layout, mode, rnd) for layout in ("engine", "gateways") for mode in ("plain", "spec")
                             for rnd in (0, 1))  # each level's runs twice, alternating; the rates once

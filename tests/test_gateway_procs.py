@@ -92,8 +92,15 @@ def _generate_on_own_connections(address: str, n: int) -> list[tuple[int, int, i
         before = [count(stub) for stub in stubs]
         req = lambda i: DSparkClient.request([3, 1, 4, i], temperature=0.0, max_tokens=12,  # noqa: E731
                                              ignore_eos=True)
+        t0 = time.monotonic()
         calls = [stub.Generate(req(i), timeout=60) for i, stub in enumerate(stubs)]
-        tokens = [len(list(call)[-1].complete.output_ids) for call in calls]
+        finals = [list(call)[-1].complete for call in calls]
+        waited_ms = 1e3 * (time.monotonic() - t0)
+        for f in finals:  # the gateway's own times: its Add, then the step loop's first token, then its first chunk
+            s = f.stats
+            assert 0 < s.gateway_intake_ms < s.gateway_intake_ms + s.first_token_ms <= s.gateway_first_token_ms
+            assert s.gateway_first_token_ms < waited_ms
+        tokens = [len(f.output_ids) for f in finals]
         return list(zip(tokens, before, [count(stub) for stub in stubs]))
     finally:
         for ch in channels:

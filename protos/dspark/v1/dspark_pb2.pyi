@@ -156,7 +156,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeOverrides, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("num_spec_steps", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "draft_acceptance_rate", "per_position_accepted", "accepted_per_step", "draft_ms", "verify_ms", "transfer_ms", "queue_ms", "first_token_ms", "cached_tokens", "verified_per_step")
+    __slots__ = ("num_spec_steps", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "draft_acceptance_rate", "per_position_accepted", "accepted_per_step", "draft_ms", "verify_ms", "transfer_ms", "queue_ms", "first_token_ms", "cached_tokens", "verified_per_step", "gateway_intake_ms", "gateway_first_token_ms")
     NUM_SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,8 @@ class SpecStats(_message.Message):
     FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_INTAKE_MS_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     num_spec_steps: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -185,7 +187,9 @@ class SpecStats(_message.Message):
     first_token_ms: float
     cached_tokens: int
     verified_per_step: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_spec_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., draft_acceptance_rate: _Optional[float] = ..., per_position_accepted: _Optional[_Iterable[int]] = ..., accepted_per_step: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., verified_per_step: _Optional[_Iterable[int]] = ...) -> None: ...
+    gateway_intake_ms: float
+    gateway_first_token_ms: float
+    def __init__(self, num_spec_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., draft_acceptance_rate: _Optional[float] = ..., per_position_accepted: _Optional[_Iterable[int]] = ..., accepted_per_step: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., verified_per_step: _Optional[_Iterable[int]] = ..., gateway_intake_ms: _Optional[float] = ..., gateway_first_token_ms: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
