@@ -36,6 +36,7 @@ class GatewayProcs:
         self.verifier = pickle.dumps(verifier)
         self.procs: list[mp.process.BaseProcess] = []
         self.pipes: list[Connection] = []
+        self.draining = False
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start them and wait until each serves; RuntimeError naming the first that did not."""
@@ -64,8 +65,10 @@ class GatewayProcs:
             raise RuntimeError(f"gateway process {i} failed to start: {detail}")
 
     def revive(self, timeout_s: float = START_TIMEOUT_S) -> list[int]:
-        """Start again each process that died (not one that drained: call it while serving) -> their numbers.
-        Its connections' streams failed with it; clients reconnect to the port and land on any process."""
+        """Start again each process that died (none once they were told to drain) -> their numbers. Its
+        connections' streams failed with it; clients reconnect to the port and land on any process."""
+        if self.draining:
+            return []
         dead = [i for i, p in enumerate(self.procs, 1) if p is not None and p.exitcode is not None]
         for i in dead:
             self.pipes[i - 1].close()
@@ -89,6 +92,7 @@ class GatewayProcs:
         self._tell("detach")
 
     def drain(self) -> None:
+        self.draining = True
         self._tell("drain")
 
     async def wait(self, timeout_s: float) -> None:
