@@ -190,6 +190,9 @@ class VerifierActor:
     def _apply(self, cid: int, frame: Inbound) -> None:
         if isinstance(frame, Add):
             rid, prompt_ids, params, n, threshold = frame
+            if rid in self._owner:  # the running one keeps its gateway
+                self.stream.send(cid, Rejected(rid, f"request id {rid!r} is already running"))
+                return
             self._owner[rid] = cid
             if self._draining:
                 self._reject(rid, "draining: not accepting new requests")

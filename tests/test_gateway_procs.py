@@ -14,7 +14,7 @@ import grpc
 from service import ServerProcess
 from test_faults import _kill
 
-from dspark_serve.actors.frames import Abort, Add, Step
+from dspark_serve.actors.frames import Abort, Add, Rejected, Step
 from dspark_serve.actors.request_stream import SyncStreamClient
 from dspark_serve.cluster.grpc_client import DSparkClient
 from dspark_serve.models.random_init import random_pair
@@ -54,6 +54,8 @@ def test_each_gateway_gets_only_its_own_sequences_and_a_gone_one_loses_only_its_
         b.send(Add("b1", [2, 7, 1], GREEDY))
         a.send(Add("a2", [1, 5, 9], GREEDY))
         b.send(Abort(["a2"]))  # another gateway's sequence: not b's to end
+        b.send(Add("a2", [1, 5, 9], GREEDY))  # nor its id to take
+        assert b.recv() == Rejected("a2", "request id 'a2' is already running")
         got_a, got_b = _outputs(a, {"a1", "a2"}), _outputs(b, {"b1"})
         assert set(got_a) == {"a1", "a2"} and set(got_b) == {"b1"}
         assert [sum(len(o.new_token_ids) for o in got_a[r]) for r in ("a1", "a2")] == [8, 8]
