@@ -60,7 +60,10 @@ class GatewayProcs:
         pipe = self.pipes[i - 1]
         if not pipe.poll(timeout_s):
             raise RuntimeError(f"gateway process {i} did not start within {timeout_s:g} s")
-        kind, detail = pipe.recv()
+        try:
+            kind, detail = pipe.recv()
+        except (EOFError, OSError):
+            kind, detail = "error", "it exited"
         if kind != "ready":
             raise RuntimeError(f"gateway process {i} failed to start: {detail}")
 

@@ -24,18 +24,23 @@ from dspark_serve.protos.dspark.v1 import dspark_pb2_grpc
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
 
 
-def _outputs(client: SyncStreamClient, want: set[str]) -> dict[str, list]:
-    """Every Output the client receives until each of `want` has finished: rid -> its outputs."""
+def _outputs(client: SyncStreamClient, want: set[str], rejections: int = 0) -> tuple[dict[str, list], list]:
+    """Every Output the client receives until each of `want` has finished and `rejections` Rejected frames came:
+    (rid -> its outputs, the Rejected frames)."""
     got: dict[str, list] = {}
     done: set[str] = set()
-    while not want <= done:
+    rejected: list[Rejected] = []
+    while not (want <= done and len(rejected) >= rejections):
         frame = client.recv()
+        if isinstance(frame, Rejected):
+            rejected.append(frame)
+            continue
         assert isinstance(frame, Step)
         for out in frame.outputs:
             got.setdefault(out.request_id, []).append(out)
             if out.finish_reason is not None:
                 done.add(out.request_id)
-    return got
+    return got, rejected
 
 
 def test_each_gateway_gets_only_its_own_sequences_and_a_gone_one_loses_only_its_own(tmp_path):
@@ -55,8 +60,8 @@ def test_each_gateway_gets_only_its_own_sequences_and_a_gone_one_loses_only_its_
         a.send(Add("a2", [1, 5, 9], GREEDY))
         b.send(Abort(["a2"]))  # another gateway's sequence: not b's to end
         b.send(Add("a2", [1, 5, 9], GREEDY))  # nor its id to take
-        assert b.recv() == Rejected("a2", "request id 'a2' is already running")
-        got_a, got_b = _outputs(a, {"a1", "a2"}), _outputs(b, {"b1"})
+        (got_a, _), (got_b, rejected) = _outputs(a, {"a1", "a2"}), _outputs(b, {"b1"}, rejections=1)
+        assert rejected == [Rejected("a2", "request id 'a2' is already running")]
         assert set(got_a) == {"a1", "a2"} and set(got_b) == {"b1"}
         assert [sum(len(o.new_token_ids) for o in got_a[r]) for r in ("a1", "a2")] == [8, 8]
         assert got_a["a2"][-1].finish_reason == "length"
@@ -66,7 +71,7 @@ def test_each_gateway_gets_only_its_own_sequences_and_a_gone_one_loses_only_its_
         assert sum(len(o.new_token_ids) for o in b.recv().outputs) == 1  # running
         b.close()  # its gateway is gone: b2 ends, a3 runs to its end
         a.send(Add("a3", [3, 1, 4], GREEDY))
-        got = _outputs(a, {"a3"})
+        got, _ = _outputs(a, {"a3"})
         assert set(got) == {"a3"} and sum(len(o.new_token_ids) for o in got["a3"]) == 8
         end = time.monotonic() + 30
         while actor.stats()["num_running"] and time.monotonic() < end:
