@@ -1,7 +1,7 @@
 """More gateway processes (`--api-server-count N`, vLLM's flag): N - 1 processes beside the first gateway, each with
 its own gRPC server (and HTTP API) on the same ports, its own GatewayCore and its own request-stream connection to
 the step loop. The ports are shared with SO_REUSEPORT, so the kernel spreads client connections over the
-processes, and one process's event loop no longer takes in every request. Each process joins Ray as a driver to
+processes, and no one process's event loop takes in every request. Each process joins Ray as a driver to
 reach the verifier; the first one (this module's caller) owns the pair and tells them when it is replaced and when
 to drain."""
 
