@@ -44,10 +44,6 @@ class StreamServer:
         self._bufs: dict[int, bytearray] = {}
         self._next = 0
 
-    @property
-    def connected(self) -> bool:
-        return bool(self.conns)
-
     def poll(self, timeout_s: float) -> tuple[list[tuple[int, Any]], list[int]]:
         """-> ((connection, frame) that arrived, in order per connection; the connections that went away). Waits up
         to timeout_s for the first."""

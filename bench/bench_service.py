@@ -95,7 +95,7 @@ def _ttft_split(ok: list[dict]) -> dict:
     served = [r for r in ok if r.get("gateway_first_token_ms")]
     if not served:
         return {}
-    med = lambda xs: statistics.median(xs)  # noqa: E731
+    med = statistics.median
     return {"outside_gateway_ms_p50": med(1e3 * (r["t_first"] - r["t0"]) - r["gateway_first_token_ms"] for r in served),
             "gateway_intake_ms_p50": med(r["gateway_intake_ms"] for r in served),
             "add_wait_ms_p50": med(r["gateway_first_token_ms"] - r["gateway_intake_ms"] - r["first_token_ms"]

@@ -52,8 +52,7 @@ class _Ended:
     num_seqs: int = 0
     num_prompt_tokens: int = 0
     done: set[int] = field(default_factory=set)  # sequences whose final message went out
-    start: float = 0.0  # time.monotonic() when the gateway took the request
-    intake_ms: float = 0.0  # from then to its Adds to the step loop
+    added: float = 0.0  # time.monotonic() just before its Adds went to the step loop
 
 
 class GatewayCore:
@@ -181,8 +180,7 @@ class GatewayCore:
         `metrics` (with its time to first token and end to end as the gateway saw them): its final message's, else
         "abort" (the client cancelled or left, or its deadline passed) or "error" (the pair failed). Each Complete's
         stats carry the gateway's own times: to the Add (gateway_intake_ms) and to the first chunk."""
-        start, first, outputs, reason = time.monotonic(), {}, {}, "abort"
-        ended = _Ended(start=start)
+        start, first, outputs, ended, reason = time.monotonic(), {}, {}, _Ended(), "abort"
         try:
             async with aclosing(self._generate(req, deadline_s, caller, ended)) as stream:
                 async for response in stream:
@@ -193,7 +191,7 @@ class GatewayCore:
                     else:
                         ended.done.add(i)
                         stats = response.complete.stats
-                        stats.gateway_intake_ms = ended.intake_ms
+                        stats.gateway_intake_ms = 1e3 * (ended.added - start)
                         stats.gateway_first_token_ms = 1e3 * first.get(i, 0.0)
                         self._count(response.request_id, i, response.complete, first.get(i), time.monotonic() - start)
                     yield response
@@ -264,11 +262,11 @@ class GatewayCore:
                     done[i] = True
                     yield aborted_final(rid, i, len(ids))
                 return
+            ended.added = time.monotonic()  # before the Adds leave: the step loop's clock starts after it
             for i, (key, live) in enumerate(zip(keys, lives)):
                 self.conn.send(Add(key, ids, convert.sequence_params(params, i), n, threshold))
                 live.sent = True
             ended.num_seqs, ended.num_prompt_tokens = num_seqs, len(ids)
-            ended.intake_ms = 1e3 * (time.monotonic() - ended.start)
             sent = None  # when the last chunk went out
             while not all(done):
                 try:

@@ -34,15 +34,13 @@ class GatewayProcs:
     def __init__(self, count: int, gcs_address: str, verifier: Any, cfg: GatewayConfig) -> None:
         self.count, self.gcs_address, self.cfg = count, gcs_address, cfg
         self.verifier = pickle.dumps(verifier)
-        self.procs: list[mp.process.BaseProcess] = []
-        self.pipes: list[Connection] = []
+        self.procs: list[mp.process.BaseProcess | None] = [None] * (count - 1)  # process i is procs[i - 1]
+        self.pipes: list[Connection | None] = [None] * (count - 1)
         self.draining = False
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Start them and wait until each serves; RuntimeError naming the first that did not."""
         for i in range(1, self.count):
-            self.procs.append(None)
-            self.pipes.append(None)
             self._spawn(i)
         for i in range(1, self.count):
             self._ready(i, timeout_s)
@@ -81,7 +79,7 @@ class GatewayProcs:
         return dead
 
     def _tell(self, *msg: Any) -> None:
-        for pipe in self.pipes:
+        for pipe in filter(None, self.pipes):
             try:
                 pipe.send(msg)
             except OSError:  # that process is gone; the others still hear
@@ -102,20 +100,17 @@ class GatewayProcs:
         """Until every process has exited (they drain first), killing those still there after timeout_s."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s
-        while any(p.is_alive() for p in self.procs) and loop.time() < end:
+        while any(p.is_alive() for p in filter(None, self.procs)) and loop.time() < end:
             await asyncio.sleep(0.05)
         self.stop()
 
     def stop(self) -> None:
-        for p in self.procs:
+        for p in filter(None, self.procs):
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
-        for pipe in self.pipes:
+        for pipe in filter(None, self.pipes):
             pipe.close()
-
-    def alive(self) -> int:
-        return sum(p.is_alive() for p in self.procs)
 
 
 def main(spec: GatewayProcSpec, pipe: Connection) -> None:
