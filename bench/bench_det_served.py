@@ -11,7 +11,7 @@ row reports tokens/s and how many outputs equal their reference; the table last 
 (spec-det / spec tokens/s at each level of --cost-levels).
 
 usage: RAY_AUTH_MODE=token python bench/bench_det_served.py --target DIR [--draft DIR] [--levels 1 8 32 64]
-       [--requests 64] [--prose 16] [--max-tokens 256] [--json OUT]
+       [--requests 64] [--prose 16] [--max-tokens 256] [--kernel-config JSON] [--json OUT]
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def server(args, draft: bool, deterministic: bool):
            "--max-model-len", str(args.max_model_len)]
     cmd += ["--draft", args.draft, "--speculative-config", args.speculative_config] if draft else []
     cmd += ["--deterministic"] if deterministic else []
+    cmd += ["--kernel-config", args.kernel_config] if deterministic and args.kernel_config else []
     t0 = time.perf_counter()
     proc, address = launch(cmd, r"serving dspark.v1.Generation on (\S+:\d+)", args.start_timeout)
     drain(proc)
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--kernel-config", help="KernelConfig fields as JSON for the --deterministic servers")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     n, top = args.max_tokens, max(args.levels)

@@ -3,7 +3,7 @@ greedy and seeded, every request alone (the reference and the c = 1 speed), then
 added every two steps: changing batches) with the tokens/s and how many outputs equal the request's plain solo run.
 
 usage: python bench/bench_deterministic.py [--target DIR --draft DIR] [--requests 24] [--waves 3]
-       [--max-tokens 32] [--dtype bfloat16] [--device cpu] [--json OUT]
+       [--max-tokens 32] [--dtype bfloat16] [--device cpu] [--modes off on] [--kernel-config JSON] [--json OUT]
 Without --target: the tiny random pair of the tests (bfloat16), in memory, random-id prompts; with it, the held-out
 code prompts in the chat template. The speculative engine also runs every greedy request alone (its c = 1 speed).
 """
@@ -27,7 +27,8 @@ def build(args, deterministic: bool, spec: bool):
     from dspark_serve.models.random_init import tiny_pair
 
     kw = dict(device=args.device, block_size=16, num_kv_blocks=1024, max_num_seqs=args.requests,
-              deterministic=deterministic, max_num_batched_tokens=args.batched_tokens, warmup=args.device != "cpu")
+              deterministic=deterministic, max_num_batched_tokens=args.batched_tokens, warmup=args.device != "cpu",
+              kernel_config=args.kernel_config)
     if args.target is None:
         target, draft = tiny_pair(seed=4, dtype=getattr(torch, args.dtype), agree=0.005)
         return LLM(target, draft if spec else None, **kw)
@@ -85,12 +86,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-prompt", type=int, default=40)
     p.add_argument("--batched-tokens", type=int, default=256)
+    p.add_argument("--kernel-config", help="KernelConfig fields as JSON (e.g. the invariant matmul's tiles)")
+    p.add_argument("--modes", nargs="+", choices=["off", "on"], default=["off", "on"], help="the deterministic mode")
     p.add_argument("--json")
     ARGS = args = p.parse_args()
     reqs = requests(args)
     half = len(reqs) // 2
     rows = []
-    for deterministic in (False, True):
+    for deterministic in [m == "on" for m in args.modes]:
         solo, solo_s = run_solo(build(args, deterministic, spec=False), reqs)
         for spec in (False, True):
             llm = build(args, deterministic, spec)

@@ -98,6 +98,12 @@ class DraftProposal:
     cand_ids: Tensor | None = None  # [R, N, K] target ids: with top-k drafting q lives on these candidates only
     cand_probs: Tensor | None = None  # [R, N, K] q on them (`probs` is then None)
 
+    def rows(self, index: list[int]) -> DraftProposal:
+        """The proposal of these rows only, in this order."""
+        pick = lambda t: t[index] if t is not None else None  # noqa: E731
+        return DraftProposal(pick(self.tokens), pick(self.probs), pick(self.confidence_logits), self.transfer_ms,
+                             pick(self.cand_ids), pick(self.cand_probs))
+
     def dense_probs(self, vocab_size: int) -> Tensor | None:
         """q as [R, N, V_target] (zero outside the candidates), or None when every row is greedy."""
         if self.cand_ids is None:

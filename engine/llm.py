@@ -146,7 +146,8 @@ class LLM:
         sched = SchedulerConfig(max_num_seqs, cfg.batched_tokens, tuple(eos_token_ids or ()))
         self._costs = cfg.step_costs
         self.core = EngineCore(Scheduler(sched, kv, draft_shape(draft_side), self._policy(draft_side)),
-                               Executor(self.target, draft_side, spec), target_model.config.vocab_size,
+                               Executor(self.target, draft_side, spec, frozenset(sched.eos_token_ids)),
+                               target_model.config.vocab_size,
                                self._policy)
         self._ids = itertools.count()
         # request id -> (prompt ids, its text, its logprobs so far or None)

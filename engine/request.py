@@ -94,6 +94,17 @@ class Request:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    def stop_in(self, tokens: list[int], eos_token_ids: frozenset[int]) -> tuple[int, FinishReason | None]:
+        """Appending `tokens`: how many it keeps (up to and including the first stop) and why it then finishes
+        (None: it goes on). Stop strings are the output processor's."""
+        p, have = self.params, len(self.output_ids)
+        for n, tok in enumerate(tokens, 1):
+            if (tok in eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                return n, FinishReason.STOP
+            if have + n >= p.max_tokens:
+                return n, FinishReason.LENGTH
+        return len(tokens), None
+
 
 class StepOutput(NamedTuple):
     """One request's part of one engine step: only its new tokens; the finish reason and stats once, at the

@@ -69,6 +69,10 @@ class KernelConfig:
     # Up to this many prompts of a prefill step replay their graphs one after another; more run eagerly as one batch.
     # Served at c = 64 on an H100 (real demo pair, alternated runs) 8 gave 5-6 % fewer tokens/s than 4.
     prompt_graph_max_prompts: int = 4
+    # The deterministic mode's matmul (matmul_invariant.config_for, by each weight's shape alone): K split until one
+    # row tile's programs reach this many (0: K whole), in tiles of invariant_block_n output columns.
+    invariant_programs: int = 0
+    invariant_block_n: int = 32
 
     def validate(self) -> None:
         for f in fields(self):
@@ -85,6 +89,11 @@ class KernelConfig:
                 or self.prompt_graph_max_prompts < 1:
             raise ValueError("kernel config prompt_graph_max_prompts takes an int >= 1, got "
                              f"{self.prompt_graph_max_prompts!r}")
+        if not isinstance(self.invariant_programs, int) or isinstance(self.invariant_programs, bool) \
+                or self.invariant_programs < 0:
+            raise ValueError(f"kernel config invariant_programs takes an int >= 0, got {self.invariant_programs!r}")
+        if self.invariant_block_n not in (16, 32, 64, 128):
+            raise ValueError(f"kernel config invariant_block_n takes 16, 32, 64 or 128, got {self.invariant_block_n!r}")
         if not (isinstance(self.prompt_graph_work, (int, float)) and self.prompt_graph_work >= 0):  # refuses nan
             raise ValueError("kernel config prompt_graph_work takes a number >= 0 (padded prompt tokens x weights of "
                              f"one layer; inf: no limit), got {self.prompt_graph_work!r}")

@@ -7,7 +7,9 @@ and batch hold it; other rows only fill the tile's other lanes. cuBLAS and the G
 reduction splits by M, which is what makes a row's bits depend on its batch. With `k_split` a long K is split by K
 alone (pieces of k_split, each walked as above into an fp32 partial, the partials then summed in order by a second
 kernel), which gives a decode row's few output tiles more programs; since the split never depends on M, a row's
-bits still do not either. It is off by default: bench/bench_matmul_invariant.py compares it with the whole K.
+bits still do not either. `config_for` chooses the split and the tile width of each weight by its shape alone
+(KernelConfig.invariant_programs / invariant_block_n): bench/bench_matmul_invariant.py times the choices inside CUDA
+graphs, where a step runs them.
 The reference is F.linear (equal up to rounding): `tests/test_matmul_invariant.py` checks both and the invariance
 under the CPU interpreter, `tests/gpu/test_matmul_invariant_gpu.py` on the GPU's tensor cores.
 
@@ -15,7 +17,7 @@ Programs walk the M tiles of one weight tile in a row, so at large M the weight 
 use.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -34,6 +36,18 @@ class InvariantConfig:
 
 
 CONFIG = InvariantConfig()
+MIN_PIECE_STEPS = 2  # a K piece walks at least this many BLOCK_K steps
+
+
+def config_for(n: int, k: int, min_programs: int, block_n: int = CONFIG.block_n,
+               base: InvariantConfig = CONFIG) -> InvariantConfig:
+    """The tiles of a weight [n, k], by its shape alone (never by M, so a row's bits stay its own): tiles of block_n
+    columns, and K split into equal pieces of whole BLOCK_K steps until one row tile's programs reach min_programs
+    (0: K whole), each piece at least MIN_PIECE_STEPS steps."""
+    cfg = replace(base, block_n=block_n)
+    tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, cfg.block_k)
+    splits = min(triton.cdiv(min_programs, tiles), steps // MIN_PIECE_STEPS) if min_programs > 0 else 1
+    return replace(cfg, k_split=triton.cdiv(steps, splits) * cfg.block_k) if splits > 1 else cfg
 
 
 @triton.jit
@@ -86,9 +100,10 @@ def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, total, N, splits, HAS_BIAS: tl.const
 
 
 def matmul_invariant(x: Tensor, w: Tensor, bias: Tensor | None = None, out_dtype: torch.dtype | None = None,
-                     config: InvariantConfig = CONFIG) -> Tensor:
+                     config: InvariantConfig | None = None) -> Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in out_dtype (default x's), every row as it would be alone.
-    A CPU tensor needs TRITON_INTERPRET=1."""
+    config None: config_for the weight's shape as the installed KernelConfig says. A CPU tensor needs
+    TRITON_INTERPRET=1."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"matmul_invariant takes x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
     if bias is not None and bias.shape != (w.shape[0],):
@@ -97,6 +112,10 @@ def matmul_invariant(x: Tensor, w: Tensor, bias: Tensor | None = None, out_dtype
     w = w if w.stride(1) == 1 else w.contiguous()
     m, k = x.shape
     n = w.shape[0]
+    if config is None:
+        from .config import active
+        kc = active()
+        config = config_for(n, k, kc.invariant_programs, kc.invariant_block_n)
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y

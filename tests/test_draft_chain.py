@@ -114,3 +114,24 @@ def test_chained_proposal_equals_a_fresh_draft(monkeypatch):
     outs = llm.generate(random_prompts(5, 6), _params(6))
     assert len(checked) > 10 and max(checked) > 1
     assert sum(o.stats["accepted"] for o in outs) > 0
+
+
+def test_a_wave_s_tail_keeps_its_chain(taken):
+    """Requests admitted together that finish at different steps (their lengths, a stop token) are left out of the
+    step launched ahead: the rows that go on keep their launched verify and chained draft step after step, and
+    the outputs are those without chaining."""
+    target, draft = build_pair(seed=11, agree=0.005, block_size=5)
+    prompts = random_prompts(4, 4)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, max_tokens=6 + 5 * i, seed=i, ignore_eos=True,
+                             stop_token_ids=(7,) if i == 2 else ()) for i in range(4)]
+    outs, misses = {}, {}
+    for chain in (False, True):
+        llm = _llm(target, draft, {}, chain)  # four slots: every request admitted at once
+        taken.clear()
+        outs[chain] = llm.generate(prompts, params)
+        misses[chain] = taken.count(False)
+        assert llm.kv.target.num_free == 256 and llm.kv.draft.num_free == 256
+    assert [(o.token_ids, o.finish_reason) for o in outs[False]] == [(o.token_ids, o.finish_reason)
+                                                                    for o in outs[True]]
+    assert len({len(o.token_ids) for o in outs[True]}) == 4  # four finishes, at four different steps
+    assert misses[True] <= 1 < misses[False], (misses, taken)  # the first decode step only: no finish drops it

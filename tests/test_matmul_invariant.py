@@ -8,16 +8,32 @@ import torch
 
 from interpreter import INTERPRETED, rerun_under_interpreter
 
+
+def test_tiles_are_chosen_by_the_weight_s_shape():
+    """config_for: K split in whole BLOCK_K steps until one row tile's programs reach the target, at least two steps
+    a piece; wide weights and programs = 0 keep K whole."""
+    from dspark_serve.kernels.matmul_invariant import config_for
+
+    assert config_for(896, 4864, 128).k_split == 1024          # 28 tiles: 5 pieces (4 x 1024 + 768) -> 140 programs
+    assert config_for(896, 896, 128).k_split == 384            # 7 steps: at most 3 pieces
+    assert config_for(896, 4864, 128, 16).k_split == 1664      # 56 tiles of 16: 3 pieces of 13 steps or fewer
+    assert config_for(9728, 896, 128).k_split == 0             # 304 tiles: K whole
+    assert config_for(896, 4864, 0).k_split == 0
+    assert config_for(896, 200, 512).k_split == 0              # 2 steps: one piece
+    assert config_for(896, 4864, 128, 16).block_n == 16
+
+
 if not INTERPRETED:
     def test_matmul_invariant_under_interpreter():
         rerun_under_interpreter(__file__)
 else:
     import torch.nn.functional as F
 
-    from dspark_serve.kernels.matmul_invariant import CONFIG, matmul_invariant
+    from dspark_serve.kernels.matmul_invariant import CONFIG, config_for, matmul_invariant
 
     SIZES = (1, 7, 8, 16, 64)
     SPLIT = replace(CONFIG, k_split=128)  # K = 200 / 300 in 2 / 3 pieces, summed by the second kernel
+    CHOSEN = config_for(72, 300, 8, 16, replace(CONFIG, block_k=32))  # 5 tiles of 16: K in pieces of 160 and 140
 
     @pytest.mark.parametrize("n,k,bias,config", [(40, 200, True, CONFIG), (96, 128, False, CONFIG),
                                                  (40, 200, True, SPLIT), (24, 300, False, SPLIT)])
@@ -28,7 +44,7 @@ else:
         torch.testing.assert_close(matmul_invariant(x, w, b, config=config), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
     @pytest.mark.parametrize("dtype,config", [(torch.float32, CONFIG), (torch.bfloat16, CONFIG),
-                                              (torch.bfloat16, SPLIT)])
+                                              (torch.bfloat16, SPLIT), (torch.bfloat16, CHOSEN)])
     def test_a_row_is_bit_equal_in_every_batch(dtype, config):
         g = torch.Generator().manual_seed(1)
         x = torch.randn(64, 300, generator=g).to(dtype)

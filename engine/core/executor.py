@@ -25,8 +25,10 @@ from .verify import Rows, finish, launch, sampling_tensors, verify_hints
 
 
 class Executor:
-    def __init__(self, target: TargetSide, draft: Drafter | None, spec: SpeculativeConfig) -> None:
+    def __init__(self, target: TargetSide, draft: Drafter | None, spec: SpeculativeConfig,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.target, self.draft, self.spec = target, draft, spec
+        self.eos_token_ids = eos_token_ids  # a row that emits one (unless it ignores EOS) is not launched ahead
         self.pipeline = StepPipeline(target.device, draft)  # what each step launches ahead for the next
         self.contexts: dict[Request, DraftContext] = {}  # the draft's context of each running request
         self.prompt_logprobs: dict[Request, list[tuple]] = {}  # collected over a prompt's chunks, until its end
@@ -174,26 +176,37 @@ class Executor:
 
     def _next(self, plan: DecodePlan, ahead: Launched | None, taken: dict[Request, int],
               new_tokens: list[list[int]]) -> None:
-        """The next step's draft and verify, launched before the host commits this one, for the same rows."""
-        reqs, draft, pipeline = plan.reqs, self.draft, self.pipeline
+        """The next step's draft and verify, launched before the host commits this one, for the rows that go on
+        (a row this step finishes is left out, so that a wave's tail keeps its launches and chained drafts)."""
+        draft, pipeline = self.draft, self.pipeline
         n = draft.num_speculative_tokens if draft is not None else 0
-        remaining = [r.remaining - len(t) for r, t in zip(reqs, new_tokens)]
-        caps = [cap_drafts(r.num_speculative_tokens, n, left) for r, left in zip(reqs, remaining)]
-        rows = Rows(reqs, caps, plan.pinned, plan.view.budget(reqs, caps, plan.pinned), plan.view, self.spec)
-        pos = [r.anchor_pos + len(t) for r, t in zip(reqs, new_tokens)]  # the next anchors' positions
-        computed = [r.num_computed + len(t) for r, t in zip(reqs, new_tokens)]  # once this step is committed
+        pos = [r.anchor_pos + len(t) for r, t in zip(plan.reqs, new_tokens)]  # the next anchors' positions
+        computed = [r.num_computed + len(t) for r, t in zip(plan.reqs, new_tokens)]  # once this step is committed
+        contexts = [self._context(r) for r in plan.reqs] if draft is not None else []
+        chained = pipeline.take_chained(ahead, taken, plan.reqs, contexts, computed) \
+            if draft is not None and pipeline.draft_ahead else None
+        going = [i for i, (r, t) in enumerate(zip(plan.reqs, new_tokens))
+                 if r.stop_in(t, self.eos_token_ids)[1] is None]
+        if len(going) < len(plan.reqs):
+            pick = lambda xs: [xs[i] for i in going]  # noqa: E731
+            pos, computed, new_tokens = pick(pos), pick(computed), pick(new_tokens)
+            contexts = pick(contexts) if contexts else []
+            chained = chained.rows(going) if chained is not None and going else None
+        reqs, pinned = [plan.reqs[i] for i in going], [plan.pinned[i] for i in going]
+        pipeline.launched = None
+        if not reqs:
+            return
+        caps = [cap_drafts(r.num_speculative_tokens, n, r.remaining - len(t)) for r, t in zip(reqs, new_tokens)]
+        rows = Rows(reqs, caps, pinned, plan.view.budget(reqs, caps, pinned), plan.view, self.spec)
         anchors = [t[-1] for t in new_tokens]
-        contexts = [self._context(r) for r in reqs] if draft is not None else []
         if draft is not None and pipeline.draft_ahead:
-            chained = pipeline.take_chained(ahead, taken, reqs, contexts, computed)
             if chained is not None:  # queued on the device behind the verify just read
                 pipeline.keep_drafted(reqs, pos, computed, chained)
             elif rows.drafts_wanted and all(self._fits(p + draft.query_len, r.draft_blocks)
                                             for r, p in zip(reqs, pos)):
                 pipeline.keep_drafted(reqs, pos, computed,
                                       draft.propose(draft_input(reqs, contexts, anchors, pos, computed)))
-        pipeline.launched = None
-        if not pipeline.step_ahead or max(remaining) <= 0 or has_grammar(reqs):  # masks follow committed tokens
+        if not pipeline.step_ahead or has_grammar(reqs):  # masks follow committed tokens
             return
         if not all(self._fits(c + 1 + k, r.target_blocks) for r, c, k in zip(reqs, computed, caps)):
             return

@@ -209,16 +209,10 @@ class Scheduler:
     def _emit(self, req: Request, tokens: list[int], logprobs: list[tuple] | None = None) -> StepOutput:
         """Append tokens up to the first stop; a stop inside an accepted run truncates it (and its logprobs).
         (Stop strings are the output processor's: it aborts the request when one appears.)"""
-        p, n = req.params, 0
-        for tok in tokens:
-            req.output_ids.append(tok)
-            n += 1
-            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-                self._finish(req, FinishReason.STOP)
-                break
-            if len(req.output_ids) >= p.max_tokens:
-                self._finish(req, FinishReason.LENGTH)
-                break
+        n, reason = req.stop_in(tokens, self.eos_token_ids)
+        req.output_ids.extend(tokens[:n])
+        if reason is not None:
+            self._finish(req, reason)
         advance_grammar(req, tokens[:n])
         return output_of(req, tokens[:n], logprobs[:n] if logprobs is not None else None)
 

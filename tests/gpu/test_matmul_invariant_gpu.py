@@ -11,19 +11,22 @@ DEV = "cuda"
 
 
 @pytest.mark.parametrize("n,k", [(1152, 896), (896, 4864), (9728, 896), (8192, 896)])
-def test_rows_bit_equal_at_every_m(n, k):
-    from dspark_serve.kernels.matmul_invariant import matmul_invariant
+@pytest.mark.parametrize("programs,block_n", [(0, 32), (128, 32), (128, 16), (256, 16)])
+def test_rows_bit_equal_at_every_m(n, k, programs, block_n):
+    from dspark_serve.kernels.matmul_invariant import config_for, matmul_invariant
 
+    cfg = config_for(n, k, programs, block_n)
     g = torch.Generator(device=DEV).manual_seed(0)
     x = torch.randn(512, k, generator=g, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(n, k, generator=g, device=DEV, dtype=torch.bfloat16) / k ** 0.5
     b = torch.randn(n, generator=g, device=DEV, dtype=torch.bfloat16)
-    full = matmul_invariant(x, w, b)
+    full = matmul_invariant(x, w, b, config=cfg)
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert ((full.float() - ref).norm() / ref.norm()).item() < 1e-2
     for m in (1, 7, 8, 16, 64, 200):
         for start in (0, 3, 512 - m):
-            assert torch.equal(matmul_invariant(x[start:start + m], w, b), full[start:start + m]), (m, start)
+            assert torch.equal(matmul_invariant(x[start:start + m], w, b, config=cfg), full[start:start + m]), \
+                (m, start)
 
 
 def test_invariant_runner_rows_and_prefill():
