@@ -1,10 +1,12 @@
 """The deterministic mode's batch-invariant matmul at the target's projection shapes, inside CUDA graphs (as a step
 runs it): microseconds per call by M for each tile choice of `config_for` (K split until one row tile's programs
-reach P, tiles of BN output columns), against cuBLAS (F.linear, not batch-invariant); then per choice the sum over
+reach P, tiles of N output columns, K steps of K, W warps), against cuBLAS (F.linear, not batch-invariant); then per choice the sum over
 one step's projections (every layer's four and the lm_head), the number a choice is picked by.
 
-usage: python bench/bench_matmul_invariant.py [--models 0.5b 8b] [--ms 1 8 64 512] [--programs 0 64 128 256]
-       [--block-n 16 32] [--json OUT]
+usage: python bench/bench_matmul_invariant.py [--models 0.5b 8b] [--ms 1 8 64 512] [--programs 0 128]
+       [--block-n 16 32] [--block-k 64 128 256] [--warps 2 4] [--json OUT]
+A choice is named P<programs>/N<block_n>/K<block_k>/W<warps>: the KernelConfig fields invariant_programs,
+invariant_block_n, invariant_block_k and invariant_warps.
 """
 
 from __future__ import annotations
@@ -43,16 +45,21 @@ def graph_us(fn) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from dspark_serve.kernels.matmul_invariant import config_for, matmul_invariant
+    from dataclasses import replace
+
+    from dspark_serve.kernels.matmul_invariant import CONFIG, config_for, matmul_invariant
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["0.5b", "8b"])
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 8, 64, 512])
-    ap.add_argument("--programs", type=int, nargs="+", default=[0, 64, 128, 256])
+    ap.add_argument("--programs", type=int, nargs="+", default=[0, 128])
     ap.add_argument("--block-n", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--block-k", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    choices = [(p, bn) for bn in args.block_n for p in args.programs]
+    choices = {f"P{p}/N{bn}/K{bk}/W{w}": (p, bn, replace(CONFIG, block_k=bk, num_warps=w))
+               for p in args.programs for bn in args.block_n for bk in args.block_k for w in args.warps}
     rows, steps = [], []
     for model in args.models:
         for name, n, k in SHAPES[model]:
@@ -60,25 +67,30 @@ def main(argv: list[str] | None = None) -> dict:
             for m in args.ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 row = {"model": model, "proj": name, "n": n, "k": k, "m": m,
-                       "cublas_us": graph_us(lambda: F.linear(x, w))}
-                for p, bn in choices:
-                    cfg = config_for(n, k, p, bn)
-                    row[f"P{p}_BN{bn}_us"] = graph_us(lambda: matmul_invariant(x, w, config=cfg))
-                    row[f"P{p}_BN{bn}_pieces"] = -(-k // (cfg.k_split or k))
+                       "us": {"cuBLAS": graph_us(lambda: F.linear(x, w))}}
+                for label, (p, bn, base) in choices.items():
+                    cfg = config_for(n, k, p, bn, base)
+                    row["us"][label] = graph_us(lambda: matmul_invariant(x, w, config=cfg))
                 rows.append(row)
-                print(f"{model:>5} {name:>8} {n:>6}x{k:<5} M={m:<4} cuBLAS {row['cublas_us']:7.1f} us  "
-                      + "  ".join(f"P{p}/BN{bn}: {row[f'P{p}_BN{bn}_us']:7.1f}" for p, bn in choices), flush=True)
+                best = min(choices, key=row["us"].get)
+                print(f"{model:>5} {name:>8} {n:>6}x{k:<5} M={m:<4} cuBLAS {row['us']['cuBLAS']:7.1f} us  "
+                      f"P0/N32/K128/W4 {row['us'].get('P0/N32/K128/W4', float('nan')):7.1f}  best {best} "
+                      f"{row['us'][best]:7.1f}", flush=True)
             del w
         for m in args.ms:
             mine = [r for r in rows if r["model"] == model and r["m"] == m]
-            per = lambda key: sum(r[key] * (1 if r["proj"] == "lm_head" else LAYERS[model]) for r in mine)  # noqa
-            steps.append({"model": model, "m": m, "cublas_us": per("cublas_us"),
-                          **{f"P{p}_BN{bn}_us": per(f"P{p}_BN{bn}_us") for p, bn in choices}})
-    print("\none step's projections (every layer's four and the lm_head), us:")
-    print("| model | M | cuBLAS | " + " | ".join(f"P{p} BN{bn}" for p, bn in choices) + " |")
-    for s in steps:
-        print(f"| {s['model']} | {s['m']} | {s['cublas_us']:.0f} | "
-              + " | ".join(f"{s[f'P{p}_BN{bn}_us']:.0f}" for p, bn in choices) + " |")
+            times = lambda r: 1 if r["proj"] == "lm_head" else LAYERS[model]  # noqa: E731
+            steps.append({"model": model, "m": m,
+                          "us": {c: sum(r["us"][c] * times(r) for r in mine) for c in ["cuBLAS", *choices]}})
+    print("\none step's projections (every layer's four and the lm_head), us; the 8 best choices at the first M:")
+    for model in args.models:
+        mine = [s for s in steps if s["model"] == model]
+        order = sorted(choices, key=mine[0]["us"].get)[:8]
+        if "P0/N32/K128/W4" in choices and "P0/N32/K128/W4" not in order:
+            order.append("P0/N32/K128/W4")
+        print(f"| {model} | " + " | ".join(f"M = {s['m']}" for s in mine) + " |")
+        for c in ["cuBLAS", *order]:
+            print(f"| {c} | " + " | ".join(f"{s['us'][c]:.0f}" for s in mine) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows,
                                                "steps": steps}, indent=2))

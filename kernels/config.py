@@ -70,9 +70,12 @@ class KernelConfig:
     # Served at c = 64 on an H100 (real demo pair, alternated runs) 8 gave 5-6 % fewer tokens/s than 4.
     prompt_graph_max_prompts: int = 4
     # The deterministic mode's matmul (matmul_invariant.config_for, by each weight's shape alone): K split until one
-    # row tile's programs reach this many (0: K whole), in tiles of invariant_block_n output columns.
+    # row tile's programs reach this many (0: K whole), in tiles of invariant_block_n output columns, K walked in
+    # steps of invariant_block_k, invariant_warps warps a program.
     invariant_programs: int = 0
     invariant_block_n: int = 32
+    invariant_block_k: int = 128
+    invariant_warps: int = 4
 
     def validate(self) -> None:
         for f in fields(self):
@@ -92,8 +95,10 @@ class KernelConfig:
         if not isinstance(self.invariant_programs, int) or isinstance(self.invariant_programs, bool) \
                 or self.invariant_programs < 0:
             raise ValueError(f"kernel config invariant_programs takes an int >= 0, got {self.invariant_programs!r}")
-        if self.invariant_block_n not in (16, 32, 64, 128):
-            raise ValueError(f"kernel config invariant_block_n takes 16, 32, 64 or 128, got {self.invariant_block_n!r}")
+        for name in ("invariant_block_n", "invariant_block_k", "invariant_warps"):
+            allowed = (2, 4, 8) if name == "invariant_warps" else (16, 32, 64, 128, 256)
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"kernel config {name} takes one of {allowed}, got {getattr(self, name)!r}")
         if not (isinstance(self.prompt_graph_work, (int, float)) and self.prompt_graph_work >= 0):  # refuses nan
             raise ValueError("kernel config prompt_graph_work takes a number >= 0 (padded prompt tokens x weights of "
                              f"one layer; inf: no limit), got {self.prompt_graph_work!r}")

@@ -8,7 +8,7 @@ reduction splits by M, which is what makes a row's bits depend on its batch. Wit
 alone (pieces of k_split, each walked as above into an fp32 partial, the partials then summed in order by a second
 kernel), which gives a decode row's few output tiles more programs; since the split never depends on M, a row's
 bits still do not either. `config_for` chooses the split and the tile width of each weight by its shape alone
-(KernelConfig.invariant_programs / invariant_block_n): bench/bench_matmul_invariant.py times the choices inside CUDA
+(KernelConfig's invariant_* fields): bench/bench_matmul_invariant.py times the choices inside CUDA
 graphs, where a step runs them.
 The reference is F.linear (equal up to rounding): `tests/test_matmul_invariant.py` checks both and the invariance
 under the CPU interpreter, `tests/gpu/test_matmul_invariant_gpu.py` on the GPU's tensor cores.
@@ -17,6 +17,7 @@ Programs walk the M tiles of one weight tile in a row, so at large M the weight 
 use.
 """
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -99,6 +100,13 @@ def _sum_splits_kernel(p_ptr, b_ptr, y_ptr, total, N, splits, HAS_BIAS: tl.const
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@functools.lru_cache(maxsize=256)
+def _installed(n: int, k: int, kc) -> InvariantConfig:
+    """config_for a weight [n, k] as a KernelConfig's invariant_* fields say."""
+    return config_for(n, k, kc.invariant_programs, kc.invariant_block_n,
+                      replace(CONFIG, block_k=kc.invariant_block_k, num_warps=kc.invariant_warps))
+
+
 def matmul_invariant(x: Tensor, w: Tensor, bias: Tensor | None = None, out_dtype: torch.dtype | None = None,
                      config: InvariantConfig | None = None) -> Tensor:
     """x [M, K] @ w [N, K]^T (+ bias [N]) -> [M, N] in out_dtype (default x's), every row as it would be alone.
@@ -114,8 +122,7 @@ def matmul_invariant(x: Tensor, w: Tensor, bias: Tensor | None = None, out_dtype
     n = w.shape[0]
     if config is None:
         from .config import active
-        kc = active()
-        config = config_for(n, k, kc.invariant_programs, kc.invariant_block_n)
+        config = _installed(n, k, active())
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
