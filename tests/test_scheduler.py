@@ -83,6 +83,20 @@ def test_outputs_of_a_step_are_emitted_in_order_and_stop_at_eos_and_length():
     assert s.kv.all_free() and not s.running
 
 
+def test_where_a_run_of_tokens_stops_a_request():
+    """Request.stop_in, which the scheduler commits by and the executor leaves finishing rows out of the step it
+    launches ahead by: tokens kept up to and including the first stop, and why."""
+    eos = frozenset({0})
+    r = Request("r", [1, 2], SamplingParams(max_tokens=5, stop_token_ids=(9,)), 0, 4)
+    r.output_ids = [5, 5]
+    assert r.stop_in([3, 4], eos) == (2, None)
+    assert r.stop_in([3, 0, 4], eos) == (2, "stop")  # EOS
+    assert r.stop_in([9, 4], eos) == (1, "stop")  # a stop token id
+    assert r.stop_in([3, 4, 6, 7], eos) == (3, "length")  # the fifth token
+    ignoring = Request("i", [1], SamplingParams(max_tokens=4, ignore_eos=True), 0, 4)
+    assert ignoring.stop_in([0, 0], eos) == (2, None) and ignoring.stop_in([0, 0, 0, 0], eos) == (4, "length")
+
+
 def test_preemption_frees_the_newest_and_recomputes_it_first():
     s = _sched(max_num_seqs=4, tokens=256, blocks=12)  # 96 slots: two requests fit, their growth does not
     for i in range(2):
