@@ -5,14 +5,14 @@ verified and accepted, with the next step launched ahead where the device allows
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from ..drafter import DraftContext, Drafter, DraftUnavailable, draft_input
 from ..grammar_state import has_grammar
-from ..logits_processing import process_logits, step_logprobs
+from ..logits_processing import StepLogprobs, process_logits, step_logprobs
 from ..prompt_logprobs import PROMPT_CHUNK_TOKENS, chunk_prompt_logprobs
 from ..rejection import verify_mixed
 from ..request import Request
@@ -21,7 +21,36 @@ from ..target_side import TargetSide
 from .pipeline import ContextWriter, Launched, StepPipeline
 from .plan import DecodePlan, PrefillChunk, RowResult, SchedulerOutput, StepResult
 from .policy import cap_drafts
-from .verify import Rows, finish, launch, sampling_tensors, verify_hints
+from .verify import Rows, finish, launch, pinned_copy, sampling_tensors, to_device, verify_hints
+
+
+@dataclass(frozen=True)
+class FirstTokens:
+    """The first output tokens a step's prefill sampled. On CUDA they go to pinned memory behind their own event, so
+    that reading them waits for the prefill only, and the decode rows are launched before they are read."""
+
+    reqs: list[Request]
+    tokens: Tensor  # [R] (pinned on CUDA)
+    logprobs: StepLogprobs | None
+    values: Tensor | None  # logprobs.values (pinned on CUDA)
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def of(cls, reqs: list[Request], tokens: Tensor, logprobs: StepLogprobs | None) -> FirstTokens:
+        values = logprobs.values if logprobs is not None else None
+        if not tokens.is_cuda:
+            return cls(reqs, tokens, logprobs, values, None)
+        host, values = pinned_copy(tokens), pinned_copy(values) if values is not None else None
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(reqs, host, logprobs, values, ready)
+
+    def read(self) -> dict[Request, tuple[int, list[tuple] | None]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        values = self.values.tolist() if self.values is not None else None
+        return {r: (tok, self.logprobs.of_row(values, i, [tok]) if self.logprobs is not None else None)
+                for i, (r, tok) in enumerate(zip(self.reqs, self.tokens.tolist()))}
 
 
 class Executor:
@@ -51,11 +80,12 @@ class Executor:
             self.contexts.pop(req, None)
             self.prompt_logprobs.pop(req, None)
         self.draft_context = {}
-        first = self._prefill(plan.prefill) if plan.prefill else {}
+        first = self._prefill(plan.prefill) if plan.prefill else None  # read after the decode rows are launched
         scored = {c.req: self.prompt_logprobs.pop(c.req) for c in plan.prefill if c.samples and c.req in
                   self.prompt_logprobs}
         if plan.decode is None:
-            return StepResult([], first, prompt_logprobs=scored, draft_context=self.draft_context)
+            return StepResult([], first.read() if first else {}, prompt_logprobs=scored,
+                              draft_context=self.draft_context)
         self._lost = False
         try:
             rows, drafted, times = self._decode(plan.decode)
@@ -63,7 +93,7 @@ class Executor:
             self._lose_draft()
             d = plan.decode
             rows, drafted, times = self._decode(replace(d, caps=[0] * len(d.reqs), budget=0))
-        return StepResult(rows, first, self._lost, drafted, *times, prompt_logprobs=scored,
+        return StepResult(rows, first.read() if first else {}, self._lost, drafted, *times, prompt_logprobs=scored,
                           draft_context=self.draft_context)
 
     def _context(self, req: Request) -> DraftContext:
@@ -72,7 +102,7 @@ class Executor:
             ctx = self.contexts[req] = DraftContext(req.draft_context_len)
         return ctx
 
-    def _prefill(self, chunks: list[PrefillChunk]) -> dict[Request, tuple[int, list[tuple] | None]]:
+    def _prefill(self, chunks: list[PrefillChunk]) -> FirstTokens | None:
         """Every chunk through the target at once; the chunks that end a fresh prompt sample its first token."""
         reqs = [c.req for c in chunks]
         scored = [i for i, c in enumerate(chunks) if c.req.params.prompt_logprobs is not None and not c.req.output_ids]
@@ -100,21 +130,18 @@ class Executor:
         self._write_contexts([c for c in chunks if c.samples])
         rows = [i for i, c in enumerate(chunks) if c.samples]
         if not rows:
-            return {}
+            return None
         sub = [reqs[i] for i in rows]
         logits = process_logits(sub, logits[rows] if len(rows) < len(reqs) else logits, None)
         dev = self.target.device
         p = sampling_tensors(sub, dev)
-        positions = torch.tensor([[len(r.prompt_ids)] for r in sub], device=dev)
+        positions = to_device([[len(r.prompt_ids)] for r in sub], torch.int64, dev)
         none = torch.zeros(len(sub), 0, dtype=torch.int64, device=dev)
         tokens = verify_mixed(none, torch.zeros(len(sub), dtype=torch.int64, device=dev), logits, None,
                               p["is_greedy"], p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
                               positions, **verify_hints(sub),
                               coupled=self.target.deterministic).output_tokens  # [R', 1]
-        lp = step_logprobs(sub, logits, tokens)
-        lp_values = lp.values.tolist() if lp is not None else None
-        return {r: (tok, lp.of_row(lp_values, i, [tok]) if lp is not None else None)
-                for i, (r, tok) in enumerate(zip(sub, tokens[:, 0].tolist()))}
+        return FirstTokens.of(sub, tokens[:, 0], step_logprobs(sub, logits, tokens))
 
     def _write_contexts(self, chunks: list[PrefillChunk]) -> None:
         """Prompts just prefilled: their draft context written now (a local draft), so the prefix cache can hold it

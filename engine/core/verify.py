@@ -139,7 +139,8 @@ def _verify_again(target: TargetSide, reqs: list[Request], v: Verified, again: l
     return replace(lp, rows=[rows[j] for j in lp.rows])
 
 
-def _pinned(x: Tensor) -> Tensor:
+def pinned_copy(x: Tensor) -> Tensor:
+    """x copied to pinned host memory behind the work queued before it (without waiting for it)."""
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     return host.copy_(x, non_blocking=True)
 
@@ -149,9 +150,9 @@ def _host_copy(packed: Tensor, logprobs: StepLogprobs | None, conf: Tensor | Non
     the accept is computed, with an event."""
     if not packed.is_cuda:
         return {"conf_host": conf}
-    host = _pinned(packed)
-    lp_host = _pinned(logprobs.values) if logprobs is not None else None
-    conf_host = _pinned(conf) if conf is not None else None
+    host = pinned_copy(packed)
+    lp_host = pinned_copy(logprobs.values) if logprobs is not None else None
+    conf_host = pinned_copy(conf) if conf is not None else None
     ready = torch.cuda.Event()
     ready.record()
     return {"host": host, "ready": ready, "logprobs_host": lp_host, "conf_host": conf_host}
