@@ -143,7 +143,8 @@ def test_serve_grpc_proxy_generates_what_the_engine_does(serve_app, tmp_path):
     target, draft = random_pair(tmp_path, agree=0.005, block_size=6)  # what "builtin:tiny" builds
     local = LLM(str(target), str(draft), device="cpu", block_size=8)
     for prompt in ([1, 2, 3], [40, 41, 42, 43, 44]):
-        msgs = list(serve_app.stream(prompt, temperature=0.0, max_tokens=24, timeout=60))
+        # three drafts pinned: every step verifies them, whatever the policy measures on a busy machine
+        msgs = list(serve_app.stream(prompt, temperature=0.0, max_tokens=24, num_speculative_tokens=3, timeout=60))
         ref = local.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24))[0]
         assert list(msgs[-1].complete.output_ids) == ref.token_ids
         assert [t for m in msgs[:-1] for t in m.chunk.token_ids] == ref.token_ids
