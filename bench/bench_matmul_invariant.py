@@ -29,19 +29,10 @@ CALLS = 20  # calls per recorded graph
 
 def graph_us(fn) -> float:
     """Microseconds per call of fn() replayed in a CUDA graph of CALLS calls (the best of 20 replays)."""
-    from dspark_serve.engine.runner.capture import device_ms
+    from dspark_serve.engine.runner.capture import capture, device_ms
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    return device_ms(graph.replay, 20) * 1e3 / CALLS
+    replay, _ = capture(lambda: [fn() for _ in range(CALLS)])
+    return device_ms(replay, 20) * 1e3 / CALLS
 
 
 def main(argv: list[str] | None = None) -> dict:
