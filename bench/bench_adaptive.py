@@ -6,6 +6,10 @@ Configurations: plain decoding; speculative with the default policy (each step v
 cost); speculative with every request pinned at k = 1, 3 and 7 drafts a step. Also reported: the step costs the
 engine measured at start and, per level, how many drafts the policy verified per request per step.
 
+A round at level c runs waves of c requests (each wave's prompts the next ones of the pool) until --min-requests
+have run, so that a round at c = 1 lasts more than one request. --profile C adds a kernel table (device time per
+kernel, torch.profiler) of one plain and one adaptive round at level C.
+
 usage: python bench/bench_adaptive.py [--target DIR] [--levels 1 8 16 32 64 128] [--rounds 2] [--json OUT]
 """
 
@@ -29,20 +33,22 @@ PROMPTS = Path(__file__).resolve().parent / "prompts"
 FIXED = (1, 3, 7)
 
 
-def run(llm: LLM, prompts: list[str], params: SamplingParams, k: int | None) -> dict:
-    """Every prompt at once (k: pinned drafts a step, 0: the speculative engine decoding plainly, None: the policy)
-    -> tok/s, tau, the verified lengths and each step's wall ms with the rows that got tokens in it."""
+def run(llm: LLM, waves: list[list[str]], params: SamplingParams, k: int | None) -> dict:
+    """Each wave's prompts at once, the waves one after another (k: pinned drafts a step, 0: the speculative engine
+    decoding plainly, None: the policy) -> tok/s, tau, the verified lengths and each step's wall ms with the rows
+    that got tokens in it."""
     sync = torch.cuda.synchronize if llm.target.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    ids = [llm.add_request(p, params, num_speculative_tokens=k) for p in prompts]
-    done, walls, last = {}, [], t0
-    while len(done) < len(ids):
-        outs = llm.step()
-        done.update({o.request_id: o for o in outs if o.finished})
-        now = time.perf_counter()
-        walls.append((round((now - last) * 1e3, 3), sum(len(o.new_token_ids) for o in outs)))
-        last = now
+    done, walls, last, ids = {}, [], t0, []
+    for prompts in waves:
+        ids += [llm.add_request(p, params, num_speculative_tokens=k) for p in prompts]
+        while len(done) < len(ids):
+            outs = llm.step()
+            done.update({o.request_id: o for o in outs if o.finished})
+            now = time.perf_counter()
+            walls.append((round((now - last) * 1e3, 3), sum(len(o.new_token_ids) for o in outs)))
+            last = now
     sync()
     secs = time.perf_counter() - t0
     outs = [done[i] for i in ids]
@@ -53,12 +59,30 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams, k: int | None) -> 
             "verified": dict(sorted(lengths.items())), "tokens": [o.token_ids for o in outs], "walls": walls}
 
 
+def kernel_table(label: str, one_round, top: int = 25) -> list[dict]:
+    """Device time per kernel over one round (on CPU, self time per op) -> the `top` rows, printed."""
+    cuda = torch.cuda.is_available()
+    acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=acts) as prof:
+        one_round()
+    key = "device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))
+    rows = [{"kernel": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events]
+    print(f"{label}: {sum(r['ms'] for r in rows):.1f} ms of kernels in the round")
+    for r in rows[:top]:
+        print(f"{r['ms']:9.2f} ms {r['calls']:7d} calls  {r['kernel'][:100]}")
+    return rows[:top]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(demo_target_dir()))
     ap.add_argument("--draft", default=str(DEMO_DRAFTER))
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=16, help="requests a round runs at least (in waves of c)")
+    ap.add_argument("--profile", type=int, metavar="C", help="a kernel table of one plain and one adaptive round at "
+                    "level C (take it with DSPARK_PDL=0: under PDL a kernel is charged its wait)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
@@ -89,14 +113,14 @@ def main(argv: list[str] | None = None) -> dict:
         timed = policy.timed
         policy.timed = lambda *a, **kw: (told.append([*a, *kw.values()]), timed(*a, **kw))[1]
     for c in args.levels:
-        prompts = [pool[i % len(pool)] for i in range(c)]
+        waves = [[pool[(w * c + i) % len(pool)] for i in range(c)] for w in range(-(-args.min_requests // c))]
         for _, llm, k in configs:  # warm-up: every bucket of this level recorded, the policy's estimates primed
-            run(llm, prompts, params, k)
+            run(llm, waves[:1], params, k)
         rows: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
         for _ in range(args.rounds):
             for name, llm, k in configs:
                 told.clear()
-                rows[name].append(run(llm, prompts, params, k) | {"told": list(told)})
+                rows[name].append(run(llm, waves, params, k) | {"told": list(told)})
         if args.trace and policy is not None and "adaptive" in rows:
             last = rows["adaptive"][-1]
             traces.append({"concurrency": c, "walls": last["walls"], "told": last["told"],
@@ -108,6 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
         for name, runs in rows.items():
             level[name] = {"tok_s": [r["tok_s"] for r in runs], "tau": runs[-1]["tau"],
                            "verified": runs[-1]["verified"]}
+        if args.profile == c:
+            level["kernels"] = {name: kernel_table(name, lambda: run(llm, waves, params, k))
+                                for name, llm, k in configs if name in ("plain", "adaptive")}
         ref = rows["plain"][-1]["tokens"]
         level["greedy_identical"] = {name: sum(a == b for a, b in zip(runs[-1]["tokens"], ref))
                                      for name, runs in rows.items() if name != "plain"}

@@ -119,9 +119,8 @@ class DraftSide:
                                 self.cache).view(num_reqs, q_len, -1)
         first = 0 if cfg.anchor_first else 1
         hidden = hidden[:, first:first + n]  # [R, N, H]: row k drafts position anchor_pos + 1 + k
-        base = m.base_logits(hidden)  # [R, N, V_draft]
         try:
-            return self.markov_walk(hidden, base, ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
+            return self.markov_walk(hidden, m.head_logits(hidden), ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
                                     inp.anchor_pos.to(dev), need_q, masks)
         finally:
             if masks is not None:
@@ -156,16 +155,18 @@ class DraftSide:
         pos = positions_of(starts, lens, self.device)
         self.runner.write_context(features.to(self.device), pos, meta.slot_mapping, self.cache, meta.all_slots_valid)
 
-    def markov_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
+    def markov_walk(self, hidden: Tensor, head: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
                     anchor_pos: Tensor, need_q: bool, masks: DraftMasks | None = None) -> DraftProposal:
-        """need_q: some row samples (then q is returned for every row; greedy rows get one-hot q). masks: the
-        constrained rows' grammars (each step is masked by them; q is the masked distribution)."""
+        """head: the lm_head's output [R, N, V_draft] (DSparkDraft.head_logits). need_q: some row samples (then q is
+        returned for every row; greedy rows get one-hot q). masks: the constrained rows' grammars (each step is
+        masked by them; q is the masked distribution)."""
         m = self.model
         topk = self.spec.dspark_draft_topk
         # a greedy constrained batch walks the whole vocabulary, masked: the unmasked top-k may hold nothing the
         # grammar allows (sampled batches keep the candidates, whose q stays [R, N, K])
-        if m.markov_head is not None and 0 < topk < base.shape[-1] and (masks is None or need_q):
-            return self._topk_walk(hidden, base, anchor, temperature, seeds, anchor_pos, need_q, topk, masks)
+        if m.markov_head is not None and 0 < topk < head.shape[-1] and (masks is None or need_q):
+            return self._topk_walk(hidden, head, anchor, temperature, seeds, anchor_pos, need_q, topk, masks)
+        base = m.scaled(head)  # [R, N, V_draft] fp32
         n = base.shape[1]
         greedy = (temperature < 1e-5) | (self.spec.draft_sample_method == "greedy")  # [R]
         temp = torch.where(temperature < 1e-5, 1.0, temperature)[:, None]  # [R, 1]
@@ -191,12 +192,16 @@ class DraftSide:
         stack = lambda xs: torch.stack(xs, 1) if xs else None  # noqa: E731
         return DraftProposal(torch.stack(tokens, 1), stack(probs), stack(conf))
 
-    def _topk_walk(self, hidden: Tensor, base: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
+    def _topk_walk(self, hidden: Tensor, head: Tensor, anchor: Tensor, temperature: Tensor, seeds: Tensor,
                    anchor_pos: Tensor, need_q: bool, topk: int, masks: DraftMasks | None = None) -> DraftProposal:
         """dspark_draft_topk: candidates from the base logits once per position, then the walk over them (one
-        Triton launch on the fast path). hidden [R, N, H], base [R, N, V_draft]; q lives on the candidates."""
-        m, (num, n, _) = self.model, base.shape
-        values, cand = base.topk(topk, dim=-1)  # [R, N, K]
+        Triton launch on the fast path). hidden [R, N, H], head [R, N, V_draft]; q lives on the candidates."""
+        m, (num, n, _) = self.model, head.shape
+        if m.config.logit_scale > 0:  # the order of U is the head's: rank the head's own dtype, scale only the K
+            values, cand = head.topk(topk, dim=-1)  # [R, N, K]
+            values = m.scaled(values)
+        else:
+            values, cand = m.scaled(head).topk(topk, dim=-1)
         w2 = m.markov_head.markov_w2
         if self._w2_nvfp4:  # dequantize the candidates' rows only
             from dspark_serve.kernels import nvfp4
@@ -215,7 +220,7 @@ class DraftSide:
         temp = torch.where(temperature < 1e-5, 1.0, temperature)  # [R]
         noise = None
         if need_q:
-            positions = anchor_pos[:, None] + 1 + torch.arange(n, device=base.device)  # [R, N]
+            positions = anchor_pos[:, None] + 1 + torch.arange(n, device=head.device)  # [R, N]
             noise = keyed_gumbel_at(seeds, positions, cand, DRAFT_SALT)  # [R, N, K]
         d2t = m.d2t if self._reduced_vocab else None
         w1 = m.markov_head.markov_w1.weight

@@ -78,9 +78,17 @@ class DSparkDraft(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         return (stack or run_layers)(self.layers, x, cos, sin, kv_cache, meta, self.norm, {})
 
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        """[.., hidden] -> the lm_head's output [.., draft_vocab] in the model's dtype, before logit_scale."""
+        return self.lm_head(hidden)
+
     def base_logits(self, hidden: Tensor) -> Tensor:
         """[.., hidden] -> U [.., draft_vocab] fp32, times logit_scale."""
-        return self.lm_head(hidden).float() * self.config.logit_scale
+        return self.scaled(self.head_logits(hidden))
+
+    def scaled(self, head: Tensor) -> Tensor:
+        """head_logits (or a selection of them) -> fp32, times logit_scale: U."""
+        return head.float() * self.config.logit_scale
 
     def markov_embed(self, prev_ids: Tensor) -> Tensor:
         """Target-vocab ids [B] -> W1 rows [B, rank]."""

@@ -12,6 +12,9 @@
 #   pairq     the pair at batch 1 against compiled generate, then again with dspark_quantize_lm_head
 #   concurrency  plain vs speculative tok/s with 1, 8, 32 and 64 requests at once (also as p6)
 #   adaptive  the speculation policy against plain and fixed draft lengths in the engine, c = 1 .. 128
+#   topk B    the draft's top-k ranked in the head's bf16 (this tree) against the scaled fp32 logits (the tree in B),
+#             and with the 32768-token map: the start-up draft costs and the engine at c = 64 / 128, alternated;
+#             then the c = 128 kernel table of this tree without and with the map
 #   service   the served path against the engine: fixed concurrency 1 .. 128 and Poisson arrivals (Ray and gRPC
 #             wheels installed)
 #   chat      multi-turn conversations sharing a 1,500-token system prompt: the prefix cache on against off
@@ -299,6 +302,24 @@ floor)  # random weights: the read floor per NVFP4 shape (contiguous; the GEMV's
 adaptive)
     timeout 560 python3 bench/bench_adaptive.py --target $T --levels 1 8 16 32 64 128 --json "$OUT/adaptive.json" \
         2>&1 | tee "$OUT/adaptive.log" | grep -v Warn | tail -14 ;;
+topk)
+    D=$PWD/models/checkpoints/qwen2.5-coder-0.5b-dspark MAP=$PWD/models/token_maps/qwen2.5-coder-0.5b-instruct-32768.pt
+    for r in 1 2; do for v in before after map; do
+        tree=$PWD cfg='{"dspark_draft_topk": 64}'; [ $v = before ] && tree=${2:?the tree before}
+        [ $v = map ] && cfg="{\"dspark_draft_topk\": 64, \"dspark_token_map\": \"$MAP\"}"
+        (cd $tree && PYTHONPATH=$tree:/tmp/site timeout 150 python3 bench/bench_adaptive.py --target $T --draft $D \
+            --levels 64 128 --configs plain adaptive k3 k7 --min-requests 128 --rounds 1 --speculative-config "$cfg" \
+            --json "$OUT/topk_${v}_$r.json" 2>&1 | grep -v Warn > "$OUT/topk_${v}_$r.log")
+        echo "== $v round $r"; grep -o '"draft": \[\[[^]]*\]\(, \[[^]]*\]\)*' "$OUT/topk_${v}_$r.log" | head -c 600; echo
+        grep "^c=" "$OUT/topk_${v}_$r.log"
+    done; done
+    for v in after map; do
+        cfg='{"dspark_draft_topk": 64}'; [ $v = map ] && cfg="{\"dspark_draft_topk\": 64, \"dspark_token_map\": \"$MAP\"}"
+        DSPARK_PDL=0 timeout 120 python3 bench/bench_adaptive.py --target $T --levels 128 --configs plain adaptive \
+            --rounds 1 --min-requests 128 --profile 128 --speculative-config "$cfg" --json "$OUT/topk_prof_$v.json" \
+            2>&1 | grep -v Warn > "$OUT/topk_prof_$v.log"
+    done
+    for v in after map; do echo "== kernels $v"; grep -A26 "^adaptive:" "$OUT/topk_prof_$v.log"; done ;;
 service)
     RAY_AUTH_MODE=token timeout 570 python3 bench/bench_service.py --target $T --layouts engine default \
         --levels 1 8 16 32 64 128 --request-rates 8 128 512 --json "$OUT/service.json" 2>&1 | tee "$OUT/service.log" \

@@ -89,3 +89,37 @@ else:
         got, ref = markov_walk(*args), markov_walk_ref(*args)
         assert got[0].tolist() == ref[0].tolist()
         torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
+
+
+def test_the_draft_ranks_its_head_in_its_dtype_and_scales_only_the_candidates():
+    """A bf16 draft with logit_scale 1.7: its top-k walk (the head ranked in bf16, the K values scaled) proposes what
+    the reference walk over topk(U) of the fp32 scaled logits proposes: the same tokens, candidates and confidences."""
+    import dataclasses
+
+    from engine_pairs import build_pair
+    from dspark_serve.engine.llm import LLM
+
+    target, draft = build_pair(seed=6, vocab=256, block_size=4, markov_rank=8)
+    draft.config = dataclasses.replace(draft.config, logit_scale=1.7)
+    side = LLM(target.to(torch.bfloat16), draft.to(torch.bfloat16), {"dspark_draft_topk": 16}, device="cpu",
+               block_size=8, num_kv_blocks=32).draft
+    m, g = side.model, torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, side.num_speculative_tokens, m.fc.weight.shape[0], generator=g).to(torch.bfloat16)
+    anchor, pos = torch.randint(0, 256, (5,), generator=g), torch.arange(5) * 7
+    temperature, seeds = torch.tensor([0.0, 0.0, 0.9, 0.0, 1.2]), torch.arange(5) + 40
+    head = m.head_logits(hidden)
+    assert head.dtype == torch.bfloat16
+    got = side.markov_walk(hidden, head, anchor, temperature, seeds, pos, True)
+    values, cand = m.base_logits(hidden).topk(16, dim=-1)  # fp32, scaled, then ranked
+    assert torch.equal(got.cand_ids.sort(-1).values, cand.sort(-1).values)  # bf16 has ties: compare as sets
+    w2 = m.markov_head.markov_w2.weight[got.cand_ids]
+    w1 = m.markov_head.markov_w1.weight
+    proj, h = m.confidence_head.proj, hidden.shape[-1]
+    conf_base = torch.nn.functional.linear(hidden.float(), proj.weight[:, :h].float(), proj.bias.float())[..., 0]
+    greedy = temperature < 1e-5
+    noise = keyed_gumbel_at(seeds, pos[:, None] + 1 + torch.arange(hidden.shape[1]), got.cand_ids, DRAFT_SALT)
+    want = markov_walk_ref(m.base_logits(hidden).gather(-1, got.cand_ids), got.cand_ids, w2, w1, anchor, 1.7, None,
+                           conf_base, proj.weight[0, h:].float(), noise, torch.where(greedy, 1.0, temperature),
+                           ~greedy)
+    assert torch.equal(got.tokens, want[0]) and torch.equal(got.confidence_logits, want[2])
+    torch.testing.assert_close(got.cand_probs[2], torch.softmax(want[1][2] / 0.9, -1))  # q of a sampled row

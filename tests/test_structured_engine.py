@@ -76,7 +76,7 @@ def test_a_row_whose_grammar_allows_nothing_the_draft_can_say_walks_unmasked(spe
     w = side.model.fc.weight
     hidden = torch.randn(2, side.num_speculative_tokens, w.shape[0], generator=torch.Generator().manual_seed(0),
                          dtype=w.dtype)
-    args = (hidden, side.model.base_logits(hidden), torch.tensor([1, 2]), torch.tensor([0.8, 0.8]),
+    args = (hidden, side.model.head_logits(hidden), torch.tensor([1, 2]), torch.tensor([0.8, 0.8]),
             torch.tensor([5, 6]), torch.tensor([10, 10]), True)
     free, refused = side.markov_walk(*args), side.markov_walk(*args, masks=_RefuseFirstRow(2, 64))
     assert torch.equal(refused.tokens, free.tokens)

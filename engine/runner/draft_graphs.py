@@ -216,7 +216,7 @@ class DraftGraphs:
             ids[:, 0] = anchors
             hidden = side.runner.block_hidden(ids.flatten(), v["positions"], meta, side.cache).view(b, ql, -1)
             hidden = hidden[:, first:first + n]
-            return side.markov_walk(hidden, m.base_logits(hidden), anchors, temperature, seeds, anchor_pos, need_q)
+            return side.markov_walk(hidden, m.head_logits(hidden), anchors, temperature, seeds, anchor_pos, need_q)
         if not self.capture:
             return forward
 
