@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
+from dspark_serve.cluster.commands.demo import gpu_spec_config
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "level C (take it with DSPARK_PDL=0: under PDL a kernel is charged its wait)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
+    ap.add_argument("--speculative-config", help="JSON with vLLM's names (default: the demo's, "
+                    "gpu_spec_config)")
     ap.add_argument("--device")
     ap.add_argument("--configs", nargs="+", help="a subset of plain adaptive k0 k1 k3 k7 (default: all but k0, the "
                     "speculative engine with every request pinned at no drafts)")
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "ms and tokens, what the policy was told of each decode step and its host and rate estimates")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    args.speculative_config = args.speculative_config or gpu_spec_config(args.draft)
     seqs = max(args.levels)
     kw = dict(device=args.device, max_num_seqs=seqs, max_model_len=args.max_model_len,
               num_kv_blocks=seqs * -(-(args.max_model_len + 64) // 16))

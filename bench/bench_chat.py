@@ -312,14 +312,15 @@ def print_table(rows: list[dict], summary: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
+    from dspark_serve.cluster.commands.demo import gpu_spec_config
     from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
     from dspark_serve.models.tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(demo_target_dir()))
     ap.add_argument("--draft", default=str(DEMO_DRAFTER))
-    ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
+    ap.add_argument("--speculative-config", help="JSON with vLLM's names (default: the demo's, "
+                    "gpu_spec_config)")
     ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     ap.add_argument("--kernel-config", help="JSON of KernelConfig fields, for the servers (A/B runs)")
     ap.add_argument("--conversations", type=int, default=64)
@@ -341,6 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    args.speculative_config = args.speculative_config or gpu_spec_config(args.draft)
     args.concurrency = args.concurrency or args.conversations
     args.max_num_seqs = args.max_num_seqs or args.concurrency
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
+from dspark_serve.cluster.commands.demo import gpu_spec_config
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.demo import DEMO_DRAFTER
@@ -82,12 +82,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--contexts", type=int, nargs="+", default=[200, 1600])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
+    ap.add_argument("--speculative-config", help="JSON with vLLM's names (default: the demo's, "
+                    "gpu_spec_config)")
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="the prompts share their first N tokens and the prefix cache is on (a chat's system prompt)")
     ap.add_argument("--kernels", type=int, default=0, help="top N device kernels of the largest batch and context")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    args.speculative_config = args.speculative_config or gpu_spec_config(DEMO_DRAFTER)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = random_target(args.device, dtype)
     draft = load_draft(DEMO_DRAFTER, target=target, dtype=dtype, device=args.device)

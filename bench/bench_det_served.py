@@ -74,13 +74,14 @@ def server(args, draft: bool, deterministic: bool):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
+    from dspark_serve.cluster.commands.demo import gpu_spec_config
     from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(demo_target_dir()))
     ap.add_argument("--draft", default=str(DEMO_DRAFTER))
-    ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG)
+    ap.add_argument("--speculative-config", help="JSON with vLLM's names (default: the demo's, "
+                    "gpu_spec_config)")
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--cost-levels", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--requests", type=int, default=64)
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kernel-config", help="KernelConfig fields as JSON for the --deterministic servers")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    args.speculative_config = args.speculative_config or gpu_spec_config(args.draft)
     n, top = args.max_tokens, max(args.levels)
     greedy = dict(temperature=0.0, max_tokens=n, ignore_eos=True)
     code, prose = chat_prompts(args.target, args.requests)[0], chat_prompts(args.target, args.prose, "prose")[0]

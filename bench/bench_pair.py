@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dspark_serve.kernels.config import KernelConfig
-from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
+from dspark_serve.cluster.commands.demo import gpu_spec_config
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
 from dspark_serve.models.demo import DEMO_DRAFTER, demo_target_dir
@@ -154,10 +154,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true",
                     help="also profile one batch-1 code prompt, plain and speculative (per-step regions, top ops)")
     ap.add_argument("--trace", help="with --profile: write gzipped Chrome traces to TRACE.{plain,spec}.json.gz")
-    ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG,
-                    help=f"JSON with vLLM's names (default: the demo's, {GPU_SPEC_CONFIG})")
+    ap.add_argument("--speculative-config", help="JSON with vLLM's names (default: the demo's, gpu_spec_config: "
+                    "top-k 64 and the shipped token map for the shipped drafter)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    args.speculative_config = args.speculative_config or gpu_spec_config(args.draft)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     dtype = getattr(torch, args.dtype) if args.dtype else (None if cuda else torch.float32)
     seqs = max([args.accept_batch, *args.concurrency])

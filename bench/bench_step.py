@@ -21,7 +21,7 @@ import time
 import torch
 
 from dspark_serve.kernels.config import KernelConfig
-from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
+from dspark_serve.cluster.commands.demo import gpu_spec_config
 from dspark_serve.engine.runner.draft_runner import DENSE_NVFP4_MIN_ROWS
 from dspark_serve.engine.llm import LLM
 from dspark_serve.engine.sampling_params import SamplingParams
@@ -229,11 +229,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--top", type=int, default=25, help="host functions listed (cProfile)")
     ap.add_argument("--sort", default="tottime", choices=["tottime", "cumulative"], help="cProfile order")
-    ap.add_argument("--speculative-config", default=GPU_SPEC_CONFIG,
-                    help=f"JSON with vLLM's names (default: the demo's, {GPU_SPEC_CONFIG})")
+    ap.add_argument("--speculative-config", help="JSON with vLLM's names (default: the demo's, gpu_spec_config: "
+                    "top-k 64 and the shipped token map for the shipped drafter)")
     ap.add_argument("--kernels", type=int, default=0, help="also list the top N device kernels (torch.profiler)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    args.speculative_config = args.speculative_config or gpu_spec_config(DEMO_DRAFTER)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = random_target(args.device, dtype)
     draft = load_draft(DEMO_DRAFTER, target=target, dtype=dtype, device=args.device)

@@ -21,7 +21,7 @@ import ray
 import torch
 
 from dspark_serve.cluster.config import PairConfig
-from dspark_serve.cluster.commands.demo import GPU_SPEC_CONFIG
+from dspark_serve.cluster.commands.demo import gpu_spec_config
 from dspark_serve.cluster.pair import create_pair
 from dspark_serve.engine.engine_config import EngineConfig
 from dspark_serve.engine.llm import LLM
@@ -62,7 +62,7 @@ def summary(outs: list[dict], seconds: float) -> dict:
 
 
 def run_colocated(target: str, device: str, prompts: list[list[int]], params: dict) -> dict:
-    llm = LLM(target, str(DEMO_DRAFTER), GPU_SPEC_CONFIG, device=device, **KV)
+    llm = LLM(target, str(DEMO_DRAFTER), gpu_spec_config(DEMO_DRAFTER), device=device, **KV)
     sp = SamplingParams(**params)
     llm.generate(prompts[:1], sp)
     if device == "cuda":
@@ -95,10 +95,10 @@ def main(argv: list[str] | None = None) -> dict:
         "_node_ip_address": "127.0.0.1", "runtime_env": {"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}} if cpu else {}))
     gpus = ray.cluster_resources().get("GPU", 0)
     engine = EngineConfig.from_options(dict(target=target, draft=str(DEMO_DRAFTER),
-                                            speculative_config=GPU_SPEC_CONFIG, device=args.device, **KV))
+                                            speculative_config=gpu_spec_config(DEMO_DRAFTER), device=args.device, **KV))
     cfg = PairConfig(engine, channel_host="127.0.0.1" if cpu else None)
     result: dict = {"device": torch.cuda.get_device_name() if not cpu else "cpu", "gpus": gpus,
-                    "tokens": args.tokens, "prompts": args.prompts, "speculative_config": GPU_SPEC_CONFIG,
+                    "tokens": args.tokens, "prompts": args.prompts, "speculative_config": gpu_spec_config(DEMO_DRAFTER),
                     "target": args.target or "random Qwen2.5-0.5B shape"}
     result["split"] = run_pair(replace(cfg, colocate=False), prompts, params)  # a GPU per actor when there are two
     result["colocated_actor"] = run_pair(replace(cfg, colocate=True), prompts, params)

@@ -120,8 +120,8 @@ class DraftSide:
         first = 0 if cfg.anchor_first else 1
         hidden = hidden[:, first:first + n]  # [R, N, H]: row k drafts position anchor_pos + 1 + k
         try:
-            return self.markov_walk(hidden, m.head_logits(hidden), ids[:, 0], inp.temperature.to(dev), inp.seeds.to(dev),
-                                    inp.anchor_pos.to(dev), need_q, masks)
+            return self.markov_walk(hidden, m.head_logits(hidden), ids[:, 0], inp.temperature.to(dev),
+                                    inp.seeds.to(dev), inp.anchor_pos.to(dev), need_q, masks)
         finally:
             if masks is not None:
                 masks.close()

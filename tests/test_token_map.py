@@ -159,14 +159,17 @@ def test_spec_config_refuses_a_non_path_token_map():
         SpeculativeConfig.from_json({"dspark_token_map": 3})
 
 
-def test_the_demo_drafter_ships_a_token_map_for_cpu_fp32():
+def test_the_demo_drafter_ships_a_token_map_for_gpus_and_cpu_fp32():
     from pathlib import Path
 
-    from dspark_serve.cluster.commands.demo import CPU_SPEC_CONFIG, cpu_fp32_spec_config
+    from dspark_serve.cluster.commands.demo import (CPU_SPEC_CONFIG, GPU_SPEC_CONFIG, cpu_fp32_spec_config,
+                                                    gpu_spec_config)
     from dspark_serve.models.demo import DEMO_DRAFTER, DEMO_TOKEN_MAP
 
     ids = load_token_map(DEMO_TOKEN_MAP, 151936)
     assert ids.numel() == 32768 and ids[0] == 0  # ids 0.. are common BPE pieces: all of them made the map
-    cfg = SpeculativeConfig.from_json(cpu_fp32_spec_config(DEMO_DRAFTER))
-    assert cfg.dspark_token_map == str(DEMO_TOKEN_MAP) and cfg.dspark_draft_topk == 64
-    assert cpu_fp32_spec_config(Path("/elsewhere/drafter")) == CPU_SPEC_CONFIG  # another drafter: no map
+    for choose, base in ((cpu_fp32_spec_config, CPU_SPEC_CONFIG), (gpu_spec_config, GPU_SPEC_CONFIG)):
+        cfg = SpeculativeConfig.from_json(choose(DEMO_DRAFTER))
+        assert cfg.dspark_token_map == str(DEMO_TOKEN_MAP) and cfg.dspark_draft_topk == 64
+        assert choose(Path("/elsewhere/drafter")) == base  # another drafter: no map
+    assert SpeculativeConfig.from_json(cpu_fp32_spec_config(DEMO_DRAFTER)).dspark_survival_threshold == 0.3

@@ -28,19 +28,31 @@ READY = re.compile(r"serving dspark.v1.Generation on (\S+:\d+)")
 # the demo verifies every draft. In fp32 on a CPU it costs about its token count (3x a plain step at 8 on the dev
 # machine), so only drafts the confidence head trusts are verified (0.8x of plain decoding when all 7 drafts are
 # verified, 1.0x with this threshold). All draft over the top 64 base-logit candidates: held-out code, greedy,
-# CPU: tau 2.78 against 2.79 over the full vocabulary, and an H200 step 3.03 ms against 4.08 ms.
+# CPU: tau 2.78 against 2.79 over the full vocabulary, and an H200 step 3.03 ms against 4.08 ms. The shipped
+# drafter also scores only the shipped token map's 32768 tokens (gpu_spec_config): its lm_head is most of its step
+# at high batch (an H100 draft step at 128 requests 1.98 -> 0.98 ms) and on a CPU in fp32, for 2 % of tau.
 GPU_SPEC_CONFIG = '{"dspark_draft_topk": 64}'
 CPU_SPEC_CONFIG = '{"dspark_survival_threshold": 0.3, "dspark_draft_topk": 64}'
 
 
-def cpu_fp32_spec_config(draft: Path) -> str:
-    """CPU_SPEC_CONFIG, plus the shipped token map when the shipped drafter drafts: in fp32 on a CPU its
-    whole-vocabulary lm_head is a large share of the step (bench/RESULTS.md, FR-Spec token maps)."""
+def with_demo_map(config: str, draft: Path | str) -> str:
+    """`config`, plus the shipped token map when `draft` is the shipped drafter (another drafter keeps `config`)."""
     from dspark_serve.models.demo import DEMO_DRAFTER, DEMO_TOKEN_MAP
 
-    if draft.resolve() != DEMO_DRAFTER or not DEMO_TOKEN_MAP.is_file():
-        return CPU_SPEC_CONFIG
-    return json.dumps({**json.loads(CPU_SPEC_CONFIG), "dspark_token_map": str(DEMO_TOKEN_MAP)})
+    if Path(draft).resolve() != DEMO_DRAFTER or not DEMO_TOKEN_MAP.is_file():
+        return config
+    return json.dumps({**json.loads(config), "dspark_token_map": str(DEMO_TOKEN_MAP)})
+
+
+def gpu_spec_config(draft: Path | str) -> str:
+    """The demo's (and the benchmarks') speculative_config on a GPU: GPU_SPEC_CONFIG, with the shipped map for the
+    shipped drafter."""
+    return with_demo_map(GPU_SPEC_CONFIG, draft)
+
+
+def cpu_fp32_spec_config(draft: Path | str) -> str:
+    """The same on a CPU in fp32: CPU_SPEC_CONFIG, with the shipped map for the shipped drafter."""
+    return with_demo_map(CPU_SPEC_CONFIG, draft)
 
 
 def cpu_dtype() -> str:
@@ -117,7 +129,7 @@ def run_demo(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available() if args.device is None else args.device == "cuda"
     dtype = args.dtype or (None if cuda else cpu_dtype())
     cpu_fp32 = not cuda and dtype == "float32"
-    spec_config = args.speculative_config or (cpu_fp32_spec_config(draft) if cpu_fp32 else GPU_SPEC_CONFIG)
+    spec_config = args.speculative_config or (cpu_fp32_spec_config(draft) if cpu_fp32 else gpu_spec_config(draft))
     actors = {True: "the verifier actor (with the draft inside)", False: "the verifier and draft actors",
               None: "the model pair"}[args.colocate]
     print(f"target {target}\ndraft  {draft}\ndtype {dtype or 'bfloat16 (the checkpoint)'}\n"
