@@ -15,6 +15,8 @@
 #   topk B    the draft's top-k ranked in the head's bf16 (this tree) against the scaled fp32 logits (the tree in B),
 #             and with the 32768-token map: the start-up draft costs and the engine at c = 64 / 128, alternated;
 #             then the c = 128 kernel table of this tree without and with the map
+#   pairab B  batch-1 tau and speed (bench_pair, 8 code prompts x 256 tokens) of the tree in B with its own default
+#             config against this tree's, alternated twice
 #   service   the served path against the engine: fixed concurrency 1 .. 128 and Poisson arrivals (Ray and gRPC
 #             wheels installed)
 #   chat      multi-turn conversations sharing a 1,500-token system prompt: the prefix cache on against off
@@ -320,6 +322,15 @@ topk)
             2>&1 | grep -v Warn > "$OUT/topk_prof_$v.log"
     done
     for v in after map; do echo "== kernels $v"; grep -A26 "^adaptive:" "$OUT/topk_prof_$v.log"; done ;;
+pairab)
+    R=$PWD A="--target $T --draft $PWD/models/checkpoints/qwen2.5-coder-0.5b-dspark --sets code --temperatures 0
+        --accept-prompts 16 --accept-batch 16 --speed-prompts 8 --max-tokens 256"
+    for r in 1 2; do for tree in ${2:?the tree before} $R; do
+        v=$([ $tree = $R ] && echo after || echo before)
+        (cd $tree && PYTHONPATH=$tree:/tmp/site timeout 100 python3 bench/bench_pair.py $A --json "$OUT/pair_${v}_$r.json" \
+            2>&1 | grep -v Warn > "$OUT/pair_${v}_$r.log")
+        echo "== $v round $r"; grep "code T=0\|^batch 1" "$OUT/pair_${v}_$r.log"
+    done; done ;;
 service)
     RAY_AUTH_MODE=token timeout 570 python3 bench/bench_service.py --target $T --layouts engine default \
         --levels 1 8 16 32 64 128 --request-rates 8 128 512 --json "$OUT/service.json" 2>&1 | tee "$OUT/service.log" \
