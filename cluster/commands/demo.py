@@ -30,7 +30,7 @@ READY = re.compile(r"serving dspark.v1.Generation on (\S+:\d+)")
 # verified, 1.0x with this threshold). All draft over the top 64 base-logit candidates: held-out code, greedy,
 # CPU: tau 2.78 against 2.79 over the full vocabulary, and an H200 step 3.03 ms against 4.08 ms. The shipped
 # drafter also scores only the shipped token map's 32768 tokens (gpu_spec_config): its lm_head is most of its step
-# at high batch (an H100 draft step at 128 requests 1.98 -> 0.98 ms) and on a CPU in fp32, for 2 % of tau.
+# at high batch (an H100 draft step at 128 requests 2.00 -> 0.98 ms) and on a CPU in fp32, for 2 % of tau.
 GPU_SPEC_CONFIG = '{"dspark_draft_topk": 64}'
 CPU_SPEC_CONFIG = '{"dspark_survival_threshold": 0.3, "dspark_draft_topk": 64}'
 
