@@ -309,3 +309,13 @@ def test_drafting_steps_with_pinned_rows_do_not_count_as_the_policy_s_rate():
             assert all(isinstance(e, int) and e >= 1 for e in drafted)
         else:
             assert all(e is None for e in drafted)
+
+
+def test_the_policy_host_time_benchmark_runs():
+    """bench/bench_policy.py: waves of requests through the policy alone, on the shipped H100 cost table."""
+    from bench_scripts import load_bench
+
+    rows = load_bench("bench_policy").main(["--levels", "4", "16", "--waves", "2"])["levels"]
+    assert [r["concurrency"] for r in rows] == [4, 16]
+    # 128 tokens a request at 1-8 tokens a step: a wave lasts between 16 and 128 steps
+    assert all(r["us_per_step_median"] > 0 and 16 <= r["steps_per_wave"] <= 128 for r in rows)
