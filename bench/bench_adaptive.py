@@ -8,7 +8,7 @@ engine measured at start and, per level, how many drafts the policy verified per
 
 A round at level c runs waves of c requests (each wave's prompts the next ones of the pool) until --min-requests
 have run, so that a round at c = 1 lasts more than one request. --profile C adds a kernel table (device time per
-kernel, torch.profiler) of one plain and one adaptive round at level C.
+kernel, torch.profiler; bench_gpu.profile_table) of one plain and one adaptive round at level C.
 
 usage: python bench/bench_adaptive.py [--target DIR] [--levels 1 8 16 32 64 128] [--rounds 2] [--json OUT]
 """
@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from bench_gpu import profile_table
 
 from dspark_serve.cluster.commands.demo import gpu_spec_config
 from dspark_serve.engine.llm import LLM
@@ -57,21 +58,6 @@ def run(llm: LLM, waves: list[list[str]], params: SamplingParams, k: int | None)
     lengths = Counter(n for o in outs for n in o.stats.get("verified_per_step", []))
     return {"tok_s": sum(len(o.token_ids) for o in outs) / secs, "tau": (accepted + steps) / max(steps, 1),
             "verified": dict(sorted(lengths.items())), "tokens": [o.token_ids for o in outs], "walls": walls}
-
-
-def kernel_table(label: str, one_round, top: int = 25) -> list[dict]:
-    """Device time per kernel over one round (on CPU, self time per op) -> the `top` rows, printed."""
-    cuda = torch.cuda.is_available()
-    acts = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=acts) as prof:
-        one_round()
-    key = "device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))
-    rows = [{"kernel": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events]
-    print(f"{label}: {sum(r['ms'] for r in rows):.1f} ms of kernels in the round")
-    for r in rows[:top]:
-        print(f"{r['ms']:9.2f} ms {r['calls']:7d} calls  {r['kernel'][:100]}")
-    return rows[:top]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -135,7 +121,9 @@ def main(argv: list[str] | None = None) -> dict:
             level[name] = {"tok_s": [r["tok_s"] for r in runs], "tau": runs[-1]["tau"],
                            "verified": runs[-1]["verified"]}
         if args.profile == c:
-            level["kernels"] = {name: kernel_table(name, lambda: run(llm, waves, params, k))
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            level["kernels"] = {name: profile_table(f"{name} at c = {c}, one round", lambda: run(llm, waves, params, k),
+                                                    dev, 25, steps=1)[:25]
                                 for name, llm, k in configs if name in ("plain", "adaptive")}
         ref = rows["plain"][-1]["tokens"]
         level["greedy_identical"] = {name: sum(a == b for a, b in zip(runs[-1]["tokens"], ref))

@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from .host_copy import to_device
 from .request import Request
 
 
@@ -61,10 +62,7 @@ def pending_features(contexts: list[DraftContext]) -> Tensor | None:
         rows.extend(range(at, at + n))
     parts = [b for _, b in bases.values()]
     joined = parts[0] if len(parts) == 1 else torch.cat(parts)
-    index = torch.tensor(rows, dtype=torch.int64)
-    if joined.is_cuda:
-        index = index.pin_memory().to(joined.device, non_blocking=True)
-    return joined.index_select(0, index)
+    return joined.index_select(0, to_device(rows, torch.int64, joined.device))
 
 
 def draft_input(reqs: list[Request], contexts: list[DraftContext], anchors: list[int] | None = None,
@@ -100,9 +98,7 @@ class DraftProposal:
 
     def rows(self, index: list[int]) -> DraftProposal:
         """The proposal of these rows only, in this order (on CUDA without waiting for the device)."""
-        at = torch.tensor(index, dtype=torch.int64)
-        if self.tokens.is_cuda:
-            at = at.pin_memory().to(self.tokens.device, non_blocking=True)
+        at = to_device(index, torch.int64, self.tokens.device)
         pick = lambda t: t.index_select(0, at) if t is not None else None  # noqa: E731
         return DraftProposal(pick(self.tokens), pick(self.probs), pick(self.confidence_logits), self.transfer_ms,
                              pick(self.cand_ids), pick(self.cand_probs))

@@ -321,7 +321,7 @@ topk)
             --rounds 1 --min-requests 128 --profile 128 --speculative-config "$cfg" --json "$OUT/topk_prof_$v.json" \
             2>&1 | grep -v Warn > "$OUT/topk_prof_$v.log"
     done
-    for v in after map; do echo "== kernels $v"; grep -A26 "^adaptive:" "$OUT/topk_prof_$v.log"; done ;;
+    for v in after map; do echo "== kernels $v"; grep -A26 "^adaptive at" "$OUT/topk_prof_$v.log"; done ;;
 pairab)
     R=$PWD A="--target $T --draft $PWD/models/checkpoints/qwen2.5-coder-0.5b-dspark --sets code --temperatures 0
         --accept-prompts 16 --accept-batch 16 --speed-prompts 8 --max-tokens 256"

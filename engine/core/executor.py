@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..drafter import DraftContext, Drafter, DraftUnavailable, draft_input
 from ..grammar_state import has_grammar
+from ..host_copy import pinned_copy, to_device
 from ..logits_processing import StepLogprobs, process_logits, step_logprobs
 from ..prompt_logprobs import PROMPT_CHUNK_TOKENS, chunk_prompt_logprobs
 from ..rejection import verify_mixed
@@ -21,7 +22,7 @@ from ..target_side import TargetSide
 from .pipeline import ContextWriter, Launched, StepPipeline
 from .plan import DecodePlan, PrefillChunk, RowResult, SchedulerOutput, StepResult
 from .policy import cap_drafts
-from .verify import Rows, finish, launch, pinned_copy, sampling_tensors, to_device, verify_hints
+from .verify import Rows, finish, launch, sampling_tensors, verify_hints
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from ..drafter import DraftContext, DraftProposal, Drafter, draft_input
+from ..host_copy import pinned_copy, to_device
 from ..logits_processing import StepLogprobs, process_logits, step_logprobs
 from ..draft_split import DraftSlots
 from ..rejection import PACKED_ACCEPTED, PACKED_TOKENS, PACKED_VERIFIED, pack_accept, verify_mixed
@@ -27,14 +28,6 @@ from .policy import PolicyView
 def region(name: str):
     """A profiler region (bench_pair.py --profile) when a profiler runs; free otherwise."""
     return record_function(name) if torch._C._autograd._profiler_enabled() else nullcontext()
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A host list on the device without a stream sync (a copy from pageable memory would wait for the GPU)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def sampling_tensors(reqs: list[Request], device: torch.device,
@@ -137,12 +130,6 @@ def _verify_again(target: TargetSide, reqs: list[Request], v: Verified, again: l
     if lp is None:
         return None
     return replace(lp, rows=[rows[j] for j in lp.rows])
-
-
-def pinned_copy(x: Tensor) -> Tensor:
-    """x copied to pinned host memory behind the work queued before it (without waiting for it)."""
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    return host.copy_(x, non_blocking=True)
 
 
 def _host_copy(packed: Tensor, logprobs: StepLogprobs | None, conf: Tensor | None) -> dict:
