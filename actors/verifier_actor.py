@@ -51,6 +51,7 @@ class VerifierActor:
         self._error: str | None = None
         self._heartbeat = time.monotonic()
         self._counters = {"requests_finished": 0, "tokens_generated": 0, "steps": 0, "accepted": 0}
+        self._loop_time = {"loop_steps": 0, "loop_step_s": 0.0, "loop_intake_s": 0.0, "loop_publish_s": 0.0}
         self._owner: dict[str, int] = {}  # sequence -> the request-stream connection (gateway) that added it
         self._thread: threading.Thread | None = None
         self._new_draft: RemoteDraft | None = None  # a replacement draft, swapped in between steps
@@ -127,8 +128,9 @@ class VerifierActor:
     def _loop(self) -> None:
         set_cpu_threads(self.device, self.cfg.cpu_threads)  # OpenMP's thread count is per calling thread
         try:
+            t, clock = self._loop_time, time.perf_counter
             while not self._stop:
-                busy = self.llm.has_unfinished()
+                busy, t0 = self.llm.has_unfinished(), clock()
                 frames, lost = self.stream.poll(0.0 if busy else
                                                 COMPILE_POLL_S if self.grammar_adds.pending else IDLE_POLL_S)
                 if lost:  # a gateway is gone: so are its sequences
@@ -144,7 +146,14 @@ class VerifierActor:
                 self._swap_draft()
                 if self.llm.has_unfinished():
                     remote = self.llm.draft
-                    self._publish(self.llm.core.step())
+                    t1 = clock()
+                    outs = self.llm.core.step()
+                    t2 = clock()
+                    self._publish(outs)
+                    t["loop_steps"] += 1
+                    t["loop_intake_s"] += t1 - t0 if busy else 0.0
+                    t["loop_step_s"] += t2 - t1
+                    t["loop_publish_s"] += clock() - t2
                     if remote is not None and self.llm.draft is None:  # the step found the draft gone
                         self._close_channel()
                 else:
@@ -297,7 +306,7 @@ class VerifierActor:
                 "steps": c["steps"], "mean_acceptance_length": (c["accepted"] + c["steps"]) / max(c["steps"], 1),
                 "draining": self._draining, "num_cuda_graphs": self.llm.num_cuda_graphs,
                 "num_kernel_compiles": self.llm.num_kernel_compiles,
-                "speculating": self.draft_state() in ("local", "remote")}
+                "speculating": self.draft_state() in ("local", "remote"), **self._loop_time}
 
     def model_info(self) -> dict:
         llm = self.llm

@@ -88,6 +88,10 @@ def summarize(records: list[dict], wall_s: float) -> dict:
             "channel_ms_per_step": sum(r["transfer_ms"] for r in ok) / max(steps, 1),
             "loop_ttft_ms_p50": statistics.median(r["first_token_ms"] for r in ok) if ok else float("nan"),
             "queue_ms_p50": statistics.median(r["queue_ms"] for r in ok) if ok else float("nan"),
+            "e2e_ms_p50": statistics.median(1e3 * (r["t_end"] - r["t0"]) for r in ok) if ok else float("nan"),
+            "loop_e2e_ms_p50": statistics.median(r["finish_ms"] for r in ok) if ok else float("nan"),
+            "loop_tpot_ms_p50": statistics.median((r["finish_ms"] - r["first_token_ms"]) / max(r["tokens"] - 1, 1)
+                                                  for r in ok) if ok else float("nan"),
             **_ttft_split(ok)}
 
 
@@ -102,10 +106,25 @@ def _ttft_split(ok: list[dict]) -> dict:
                                    for r in served)}
 
 
+LOOP_TIMES = ("loop_steps", "loop_step_s", "loop_intake_s", "loop_publish_s")
+
+
+def loop_times(t: dict, wall_s: float) -> dict:
+    """The step loop's (or the engine's) steps in a run: ms per step in the engine step, taking adds and writing
+    outputs (served only), and the share of the run's wall time in all three."""
+    n = max(t["loop_steps"], 1)
+    busy = t["loop_step_s"] + t.get("loop_intake_s", 0.0) + t.get("loop_publish_s", 0.0)
+    return {"loop_steps": int(t["loop_steps"]), "loop_step_ms": 1e3 * t["loop_step_s"] / n,
+            "loop_intake_ms": 1e3 * t.get("loop_intake_s", 0.0) / n,
+            "loop_publish_ms": 1e3 * t.get("loop_publish_s", 0.0) / n, "loop_busy_frac": busy / wall_s}
+
+
 # -- the in-process engine ---------------------------------------------------------------------------------------
 
-def engine_run(llm, prompts: list[str], concurrency: int, max_tokens: int, plain: bool) -> tuple[list[dict], float]:
-    """Keep `concurrency` requests in flight until all prompts ran; -> (records, wall seconds)."""
+def engine_run(llm, prompts: list[str], concurrency: int, max_tokens: int, plain: bool,
+               loop: dict | None = None) -> tuple[list[dict], float]:
+    """Keep `concurrency` requests in flight until all prompts ran; -> (records, wall seconds). `loop`: the steps and
+    their seconds are added to it (the served step loop's loop_steps and loop_step_s)."""
     from dspark_serve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -116,7 +135,12 @@ def engine_run(llm, prompts: list[str], concurrency: int, max_tokens: int, plain
             t0 = time.monotonic()
             rid = llm.add_request(todo.pop(0), params, num_speculative_tokens=0 if plain else None)
             live[rid] = {"t0": t0, "t_first": None, "tokens": 0}
-        for out in llm.step():
+        t1 = time.perf_counter()
+        outs = llm.step()
+        if loop is not None:
+            loop["loop_steps"] += 1
+            loop["loop_step_s"] += time.perf_counter() - t1
+        for out in outs:
             r = live.get(out.request_id)
             if r is None:
                 continue
@@ -127,7 +151,8 @@ def engine_run(llm, prompts: list[str], concurrency: int, max_tokens: int, plain
                 s = out.stats
                 records.append({**r, "t_end": now, "tokens": len(out.token_ids), "steps": s["steps"],
                                 "accepted": s["accepted"], "transfer_ms": s["transfer_ms"],
-                                "first_token_ms": s["first_token_ms"], "queue_ms": s["queue_ms"]})
+                                "first_token_ms": s["first_token_ms"], "queue_ms": s["queue_ms"],
+                                "finish_ms": s["finish_ms"]})
                 del live[out.request_id]
     return records, time.monotonic() - t_start
 
@@ -160,7 +185,8 @@ def engine_poisson(llm, prompts: list[str], offsets: list[float], max_tokens: in
                 s = out.stats
                 records.append({**r, "t_end": t, "tokens": len(out.token_ids), "steps": s["steps"],
                                 "accepted": s["accepted"], "transfer_ms": s["transfer_ms"],
-                                "first_token_ms": s["first_token_ms"], "queue_ms": s["queue_ms"]})
+                                "first_token_ms": s["first_token_ms"], "queue_ms": s["queue_ms"],
+                                "finish_ms": s["finish_ms"]})
                 del live[out.request_id]
     return records, time.monotonic() - t_start
 
@@ -177,9 +203,10 @@ def engine_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
         for rnd, plain in _turns(args.rounds):
             if rnd == 0:
                 engine_run(llm, prompts[:c], c, args.max_tokens, plain)  # warm-up: this level's graph buckets
-            before = llm.num_kernel_compiles
-            records, wall = engine_run(llm, prompts, c, args.max_tokens, plain)
+            before, loop = llm.num_kernel_compiles, dict.fromkeys(LOOP_TIMES, 0.0)
+            records, wall = engine_run(llm, prompts, c, args.max_tokens, plain, loop)
             rows.append(_row("engine", c, plain, summarize(records, wall), rnd))
+            rows[-1].update(loop_times(loop, wall))
             rows[-1]["kernels_compiled_during"] = llm.num_kernel_compiles - before
             rows[-1]["kernels_compiled_since_start"] = llm.num_kernel_compiles
     for rate in args.request_rates:
@@ -207,6 +234,7 @@ def served_rows(layout: str, address: str, application: str | None, args: argpar
             records, wall = load(address, application, prompts, c, args.max_tokens, plain, args.client_procs)
             rows.append(_row(layout, c, plain, summarize(records, wall), rnd))
             after = stats.server_stats()
+            rows[-1].update(loop_times({k: getattr(after, k) - getattr(before, k) for k in LOOP_TIMES}, wall))
             rows[-1]["graphs_recorded_during"] = after.num_cuda_graphs - before.num_cuda_graphs
             rows[-1]["kernels_compiled_during"] = after.num_kernel_compiles - before.num_kernel_compiles
             rows[-1]["kernels_compiled_since_start"] = after.num_kernel_compiles
@@ -238,7 +266,10 @@ def _line(r: dict) -> str:
             f"{r['ttft_ms_p50']:8.2f} p99 {r['ttft_ms_p99']:8.2f} ms  TPOT p50 {r['tpot_ms_p50']:6.3f} p99 "
             f"{r['tpot_ms_p99']:6.3f} ms  goodput {r['goodput_req_s']:.2f} req/s ({r['goodput_frac']:.0%})  tau "
             f"{r['tau']:.2f}  channel {r['channel_ms_per_step']:.3f} ms/step  loop TTFT p50 {r['loop_ttft_ms_p50']:.2f} "
-            f"queue {r['queue_ms_p50']:.2f} ms  graphs +{r.get('graphs_recorded_during', 0)}  kernels "
+            f"queue {r['queue_ms_p50']:.2f} ms  e2e p50 {r['e2e_ms_p50']:.1f}, loop's {r['loop_e2e_ms_p50']:.1f} ms  loop "
+            f"TPOT p50 {r['loop_tpot_ms_p50']:.3f} ms  loop ms/step: step {r.get('loop_step_ms', 0):.3f} intake "
+            f"{r.get('loop_intake_ms', 0):.3f} publish {r.get('loop_publish_ms', 0):.3f} ({r.get('loop_steps', 0)} "
+            f"steps, busy {r.get('loop_busy_frac', 0):.0%})  graphs +{r.get('graphs_recorded_during', 0)}  kernels "
             f"+{r.get('kernels_compiled_during', 0)} ({r.get('kernels_compiled_since_start', 0)} since start)  "
             f"errors {r['errors']}"
             + (f"  TTFT split p50: outside the gateway {r['outside_gateway_ms_p50']:.2f}, intake "

@@ -66,7 +66,7 @@ async def _stream(stub, req, metadata, rec: dict, records: list[dict]) -> None:
                 s = msg.complete.stats
                 rec.update(t_end=time.monotonic(), tokens=len(msg.complete.output_ids), steps=s.num_spec_steps,
                            accepted=s.num_accepted_tokens, transfer_ms=s.transfer_ms,
-                           first_token_ms=s.first_token_ms, queue_ms=s.queue_ms,
+                           first_token_ms=s.first_token_ms, queue_ms=s.queue_ms, finish_ms=s.finish_ms,
                            gateway_intake_ms=s.gateway_intake_ms, gateway_first_token_ms=s.gateway_first_token_ms)
     except grpc.aio.AioRpcError as e:
         rec = {"error": e.code().name}

@@ -137,6 +137,7 @@ def spec_stats(stats: dict) -> pb.SpecStats:
         per_position_accepted=stats["per_position_accepted"], accepted_per_step=stats["accepted_per_step"],
         draft_ms=stats["draft_ms"], verify_ms=stats["verify_ms"], transfer_ms=stats.get("transfer_ms", 0.0),
         queue_ms=stats.get("queue_ms", 0.0), first_token_ms=stats.get("first_token_ms", 0.0),
+        finish_ms=stats.get("finish_ms", 0.0),
         cached_tokens=stats.get("cached_tokens", 0), verified_per_step=stats.get("verified_per_step", []))
 
 

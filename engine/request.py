@@ -32,6 +32,7 @@ class RequestStats:
     arrival: float = 0.0  # time.monotonic() when the scheduler took the request
     queue_ms: float = 0.0  # arrival -> admitted
     first_token_ms: float = 0.0  # arrival -> first token
+    finish_ms: float = 0.0  # arrival -> the step that finished it
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     @property
@@ -46,7 +47,8 @@ class RequestStats:
                 "per_position_accepted": list(self.per_position_accepted),
                 "draft_ms": round(self.draft_ms, 3), "verify_ms": round(self.verify_ms, 3),
                 "transfer_ms": round(self.transfer_ms, 3), "queue_ms": round(self.queue_ms, 3),
-                "first_token_ms": round(self.first_token_ms, 3), "cached_tokens": self.cached_tokens}
+                "first_token_ms": round(self.first_token_ms, 3), "finish_ms": round(self.finish_ms, 3),
+                "cached_tokens": self.cached_tokens}
 
 
 @dataclass(eq=False)  # identity semantics: a live request is compared by object, never by its tensors

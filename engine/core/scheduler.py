@@ -218,6 +218,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
+        req.stats.finish_ms = 1e3 * (time.monotonic() - req.stats.arrival)
         self.kv.commit(req)  # what it computed stays cached for the next turn of its conversation
         self.kv.free(req)
         self._released.append(req)

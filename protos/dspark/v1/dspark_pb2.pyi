@@ -156,7 +156,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[SpeculativeOverrides, _Mapping]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("num_spec_steps", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "draft_acceptance_rate", "per_position_accepted", "accepted_per_step", "draft_ms", "verify_ms", "transfer_ms", "queue_ms", "first_token_ms", "cached_tokens", "verified_per_step", "gateway_intake_ms", "gateway_first_token_ms")
+    __slots__ = ("num_spec_steps", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "draft_acceptance_rate", "per_position_accepted", "accepted_per_step", "draft_ms", "verify_ms", "transfer_ms", "queue_ms", "first_token_ms", "cached_tokens", "verified_per_step", "gateway_intake_ms", "gateway_first_token_ms", "finish_ms")
     NUM_SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class SpecStats(_message.Message):
     VERIFIED_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_INTAKE_MS_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_MS_FIELD_NUMBER: _ClassVar[int]
     num_spec_steps: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -189,7 +190,8 @@ class SpecStats(_message.Message):
     verified_per_step: _containers.RepeatedScalarFieldContainer[int]
     gateway_intake_ms: float
     gateway_first_token_ms: float
-    def __init__(self, num_spec_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., draft_acceptance_rate: _Optional[float] = ..., per_position_accepted: _Optional[_Iterable[int]] = ..., accepted_per_step: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., verified_per_step: _Optional[_Iterable[int]] = ..., gateway_intake_ms: _Optional[float] = ..., gateway_first_token_ms: _Optional[float] = ...) -> None: ...
+    finish_ms: float
+    def __init__(self, num_spec_steps: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., draft_acceptance_rate: _Optional[float] = ..., per_position_accepted: _Optional[_Iterable[int]] = ..., accepted_per_step: _Optional[_Iterable[int]] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., first_token_ms: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., verified_per_step: _Optional[_Iterable[int]] = ..., gateway_intake_ms: _Optional[float] = ..., gateway_first_token_ms: _Optional[float] = ..., finish_ms: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -296,7 +298,7 @@ class GetServerStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "free_target_blocks", "total_target_blocks", "free_draft_blocks", "total_draft_blocks", "requests_finished", "tokens_generated", "mean_acceptance_length", "steps", "draining", "num_cuda_graphs", "speculating", "finished_by_reason", "num_kernel_compiles")
+    __slots__ = ("num_running", "num_waiting", "free_target_blocks", "total_target_blocks", "free_draft_blocks", "total_draft_blocks", "requests_finished", "tokens_generated", "mean_acceptance_length", "steps", "draining", "num_cuda_graphs", "speculating", "finished_by_reason", "num_kernel_compiles", "loop_steps", "loop_step_s", "loop_intake_s", "loop_publish_s")
     class FinishedByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +321,10 @@ class ServerStats(_message.Message):
     SPECULATING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_KERNEL_COMPILES_FIELD_NUMBER: _ClassVar[int]
+    LOOP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    LOOP_INTAKE_S_FIELD_NUMBER: _ClassVar[int]
+    LOOP_PUBLISH_S_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     free_target_blocks: int
@@ -334,4 +340,8 @@ class ServerStats(_message.Message):
     speculating: bool
     finished_by_reason: _containers.ScalarMap[str, int]
     num_kernel_compiles: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_target_blocks: _Optional[int] = ..., total_target_blocks: _Optional[int] = ..., free_draft_blocks: _Optional[int] = ..., total_draft_blocks: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., steps: _Optional[int] = ..., draining: _Optional[bool] = ..., num_cuda_graphs: _Optional[int] = ..., speculating: _Optional[bool] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ..., num_kernel_compiles: _Optional[int] = ...) -> None: ...
+    loop_steps: int
+    loop_step_s: float
+    loop_intake_s: float
+    loop_publish_s: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_target_blocks: _Optional[int] = ..., total_target_blocks: _Optional[int] = ..., free_draft_blocks: _Optional[int] = ..., total_draft_blocks: _Optional[int] = ..., requests_finished: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., steps: _Optional[int] = ..., draining: _Optional[bool] = ..., num_cuda_graphs: _Optional[int] = ..., speculating: _Optional[bool] = ..., finished_by_reason: _Optional[_Mapping[str, int]] = ..., num_kernel_compiles: _Optional[int] = ..., loop_steps: _Optional[int] = ..., loop_step_s: _Optional[float] = ..., loop_intake_s: _Optional[float] = ..., loop_publish_s: _Optional[float] = ...) -> None: ...
