@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--client-procs", type=int, default=8)
     ap.add_argument("--stream-messages-per-s", type=float, default=6000.0)
     ap.add_argument("--profile", type=int, default=0, help="print the gateway thread's top N functions (cProfile)")
+    ap.add_argument("--profile-sort", default="tottime")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     import cProfile
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         done = threading.Event()
         loop.call_soon_threadsafe(lambda: (prof.disable(), done.set()))
         done.wait(10)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
+        pstats.Stats(prof).sort_stats(args.profile_sort).print_stats(args.profile)
     loop_proc.terminate()
     return result
 

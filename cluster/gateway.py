@@ -272,7 +272,7 @@ class GatewayCore:
                 try:
                     await asyncio.wait_for(wake.wait(), None if end is None else max(0.0, end - loop.time()))
                     if sent is not None:
-                        await self._pace(lives, sent)
+                        await self._pace(lives, wake, sent)
                 except asyncio.TimeoutError:
                     raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded; the request was aborted") from None
                 wake.clear()
@@ -317,13 +317,22 @@ class GatewayCore:
         live = self.live[key] = LiveSequence(text, 0, wake=wake, score_only=score_only)
         return live
 
-    async def _pace(self, lives: list[LiveSequence], sent: float) -> None:
-        """Hold a stream's next chunk until its share of the message rate allows it (a final is never held): with
-        many streams, each message carries several steps, and the gateway's time per step stays bounded."""
-        gap = len(self.live) / self.cfg.stream_messages_per_s
-        wait = sent + gap - asyncio.get_running_loop().time()
-        if wait > 1e-4 and not any(isinstance(x, Output) and x.finish_reason is not None for live in lives for x in live.pending):
-            await asyncio.sleep(wait)
+    async def _pace(self, lives: list[LiveSequence], wake: asyncio.Event, sent: float) -> None:
+        """Hold a stream's next chunk until its share of the message rate allows it, or until its final comes (a
+        final is never held): with many streams, each message carries several steps, and the gateway's time per
+        step stays bounded."""
+        loop = asyncio.get_running_loop()
+        until = sent + len(self.live) / self.cfg.stream_messages_per_s
+        timer = None
+        try:
+            while loop.time() < until - 1e-4 and not any(  # a final or an error ends the wait
+                    not isinstance(x, Output) or x.finish_reason is not None for live in lives for x in live.pending):
+                timer = timer or loop.call_at(until, wake.set)
+                wake.clear()
+                await wake.wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def abort(self, ids: list[str], caller: str) -> list[str]:
         """Only the caller's own requests; -> the ids that were running."""
