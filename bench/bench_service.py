@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from servers import ROOT, drain, start_serve, start_server, stop
-from service_clients import load
+from service_clients import cpu_use, host_cpu, load
 
 BENCH = Path(__file__).resolve().parent
 LAYOUT_FLAGS = {"default": [], "colocate": ["--colocate"], "split": ["--no-colocate"], "gateways": []}
@@ -204,8 +204,10 @@ def engine_rows(args: argparse.Namespace, prompts: list[str]) -> list[dict]:
             if rnd == 0:
                 engine_run(llm, prompts[:c], c, args.max_tokens, plain)  # warm-up: this level's graph buckets
             before, loop = llm.num_kernel_compiles, dict.fromkeys(LOOP_TIMES, 0.0)
+            c0 = host_cpu()
             records, wall = engine_run(llm, prompts, c, args.max_tokens, plain, loop)
             rows.append(_row("engine", c, plain, summarize(records, wall), rnd))
+            rows[-1].update(cpu_use(c0, host_cpu(), wall))
             rows[-1].update(loop_times(loop, wall))
             rows[-1]["kernels_compiled_during"] = llm.num_kernel_compiles - before
             rows[-1]["kernels_compiled_since_start"] = llm.num_kernel_compiles
@@ -231,8 +233,11 @@ def served_rows(layout: str, address: str, application: str | None, args: argpar
             if rnd == 0:
                 load(address, application, prompts[:c], c, args.max_tokens, plain, args.client_procs)  # warm-up
             before = stats.server_stats()
-            records, wall = load(address, application, prompts, c, args.max_tokens, plain, args.client_procs)
+            cpu: dict = {}
+            records, wall = load(address, application, prompts, c, args.max_tokens, plain, args.client_procs,
+                                 cpu=cpu)
             rows.append(_row(layout, c, plain, summarize(records, wall), rnd))
+            rows[-1].update(cpu)
             after = stats.server_stats()
             rows[-1].update(loop_times({k: getattr(after, k) - getattr(before, k) for k in LOOP_TIMES}, wall))
             rows[-1]["graphs_recorded_during"] = after.num_cuda_graphs - before.num_cuda_graphs
@@ -271,7 +276,8 @@ def _line(r: dict) -> str:
             f"{r.get('loop_intake_ms', 0):.3f} publish {r.get('loop_publish_ms', 0):.3f} ({r.get('loop_steps', 0)} "
             f"steps, busy {r.get('loop_busy_frac', 0):.0%})  graphs +{r.get('graphs_recorded_during', 0)}  kernels "
             f"+{r.get('kernels_compiled_during', 0)} ({r.get('kernels_compiled_since_start', 0)} since start)  "
-            f"errors {r['errors']}"
+            f"errors {r['errors']}  cores busy: host {r.get('host_busy_cores', 0):.1f}"
+            + "".join(f", {k[10:]} {v:.2f}" for k, v in r.items() if k.startswith("cpu_cores "))
             + (f"  TTFT split p50: outside the gateway {r['outside_gateway_ms_p50']:.2f}, intake "
                f"{r['gateway_intake_ms_p50']:.2f}, Add wait {r['add_wait_ms_p50']:.2f} ms"
                if "outside_gateway_ms_p50" in r else ""))

@@ -77,10 +77,48 @@ def _client_proc(address, application, jobs, concurrency, max_tokens, start_at, 
     out.put(asyncio.run(_client(address, application, jobs, concurrency, max_tokens, start_at)))
 
 
+SERVER_PROCS = (("ray::VerifierActor", "verifier"), ("ray::DraftActor", "draft"),
+                ("dspark_serve.cluster.commands serve", "gateway"))  # command line -> label
+
+
+def host_cpu() -> tuple[int, int, dict[str, int]]:
+    """(busy, all) jiffies of the host since boot, and the CPU jiffies of the server's processes (SERVER_PROCS: the
+    step loop's actor, the draft's, the first gateway's), summed by label (Linux)."""
+    import os
+
+    try:
+        f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    except OSError:
+        return 0, 0, {}
+    procs: dict[str, int] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = next((label for n, label in SERVER_PROCS if n in cmd), None)
+        if name is not None:
+            procs[name] = procs.get(name, 0) + int(stat[11]) + int(stat[12])
+    return sum(f) - f[3] - f[4], sum(f), procs
+
+
+def cpu_use(before: tuple, after: tuple, wall_s: float) -> dict:
+    """Cores busy on the host and in each server process between two host_cpu() readings."""
+    import os
+
+    tick, ncpu = os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+    host = ncpu * (after[0] - before[0]) / max(after[1] - before[1], 1)
+    return {"host_busy_cores": host, **{f"cpu_cores {k}": (v - before[2].get(k, 0)) / tick / wall_s
+                                        for k, v in after[2].items()}}
+
+
 def load(address: str, application: str | None, prompts: list[str], concurrency: int, max_tokens: int,
-         plain: bool, max_procs: int, offsets: list[float] | None = None) -> tuple[list[dict], float]:
+         plain: bool, max_procs: int, offsets: list[float] | None = None,
+         cpu: dict | None = None) -> tuple[list[dict], float]:
     """`concurrency` streams over up to max_procs client processes, or with `offsets` each prompt sent at its
-    arrival (every process takes every max_procs-th: each sees a thinned Poisson process); -> (records, wall s)."""
+    arrival (every process takes every max_procs-th: each sees a thinned Poisson process); -> (records, wall s).
+    `cpu`: filled with the cores busy from the start until the last client answered (cpu_use)."""
     ctx = mp.get_context("spawn")
     procs = min(concurrency if offsets is None else len(prompts), max_procs)
     out = ctx.Queue()
@@ -93,7 +131,11 @@ def load(address: str, application: str | None, prompts: list[str], concurrency:
         w = ctx.Process(target=_client_proc, args=(address, application, jobs, conc, max_tokens, start_at, out))
         w.start()
         workers.append(w)
+    time.sleep(max(0.0, start_at - time.monotonic()))
+    t0, c0 = time.monotonic(), host_cpu()
     records = [r for _ in workers for r in out.get(timeout=1800)]
+    if cpu is not None:
+        cpu.update(cpu_use(c0, host_cpu(), time.monotonic() - t0))
     for w in workers:
         w.join()
     ok = [r for r in records if "error" not in r]
