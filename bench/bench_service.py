@@ -6,6 +6,7 @@ channel's ms per step, plain and speculative, at each concurrency, for
   colocate  `dspark-serve serve --colocate`
   split     `dspark-serve serve --no-colocate` (separate draft actor and step channel)
   gateways  `dspark-serve serve --api-server-count N` (--api-server-count, default 4: N gateway processes)
+  paced     `dspark-serve serve --stream-messages-per-s 2000` (fewer, larger chunk messages than the default 6000)
   serve     Ray Serve's gRPC proxy, with deploy/serve.yaml pointed at the same pair
 
 Held-out code prompts through the target's chat template, greedy, each level c keeping c requests in flight
@@ -33,7 +34,8 @@ from servers import ROOT, drain, start_serve, start_server, stop
 from service_clients import cpu_use, host_cpu, load
 
 BENCH = Path(__file__).resolve().parent
-LAYOUT_FLAGS = {"default": [], "colocate": ["--colocate"], "split": ["--no-colocate"], "gateways": []}
+LAYOUT_FLAGS = {"default": [], "colocate": ["--colocate"], "split": ["--no-colocate"], "gateways": [],
+                "paced": ["--stream-messages-per-s", "2000"]}
 
 
 def chat_prompts(target: str, n: int, kind: str = "code") -> tuple[list[str], str]:
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "round)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--layouts", nargs="+", default=["engine", "default", "split", "serve"],
-                    choices=["engine", "default", "colocate", "split", "gateways", "serve"])
+                    choices=["engine", "default", "colocate", "split", "gateways", "paced", "serve"])
     ap.add_argument("--api-server-count", type=int, default=4, help="gateway processes of the gateways layout")
     ap.add_argument("--num-kv-blocks", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=2048)
