@@ -15,7 +15,7 @@ from dspark_serve.models.token_map import load_token_map, restrict_draft_vocab
 from .runner.draft_graphs import DraftGraphs
 from .runner.draft_runner import DraftRunner
 from .drafter import DraftInput, DraftProposal
-from .grammar_draft import DraftMasks, keep, masked
+from .grammar_draft import FORCED_LOGIT, DraftMasks, forced_rows, keep, masked, with_forced
 from .kv_cache import batch_metadata, positions_of
 from .sampling import DRAFT_SALT, keyed_gumbel, keyed_gumbel_at
 from .spec_config import SpeculativeConfig
@@ -174,10 +174,13 @@ class DraftSide:
         for k in range(n):
             embed = m.markov_embed(prev) if m.markov_head is not None else None  # [R, r]
             logits = base[:, k] + m.markov_bias(embed) if embed is not None else base[:, k]  # [R, V_draft]
-            if masks is not None:
-                logits = masked(logits, masks.allowed(k, prev)[:, self._scatter_cols])
+            allow = masks.allowed(k, prev) if masks is not None else None  # [R, V_target]
+            sayable = allow[:, self._scatter_cols] if allow is not None else None  # [R, V_draft]
+            if allow is not None:
+                logits = masked(logits, sayable)
             if m.confidence_head is not None:
-                conf.append(m.confidence_logit(hidden[:, k], embed))
+                c = m.confidence_logit(hidden[:, k], embed)  # [R]
+                conf.append(c if allow is None else with_forced(c, allow, sayable))
             if need_q:
                 noise = keyed_gumbel(seeds, (anchor_pos + 1 + k)[:, None], logits.shape[-1], DRAFT_SALT)[:, 0]
                 draft_ids = torch.where(greedy, logits.argmax(-1), (logits / temp + noise).argmax(-1))  # [R]
@@ -229,8 +232,17 @@ class DraftSide:
             tokens, logits, conf = _walk_fn(values)(*args)
         else:  # the reference walk, each step's candidates masked by the grammars
             cand_target = cand + m.d2t.to(cand.device)[cand] if d2t is not None else cand
-            allow = lambda k, prev: keep(masks.allowed(k, prev).gather(1, cand_target[:, k]))  # noqa: E731
+            forced = []
+
+            def allow(k: int, prev: Tensor) -> Tensor:
+                full = masks.allowed(k, prev)  # [R, V_target]
+                ok = full.gather(1, cand_target[:, k])  # [R, K]
+                forced.append(forced_rows(full, ok))
+                return keep(ok)
+
             tokens, logits, conf = markov_walk_ref(*args, allow=allow)  # logits -inf where refused: q is masked
+            if conf is not None:
+                conf = torch.where(torch.stack(forced, 1), FORCED_LOGIT, conf)
         if not need_q:
             return DraftProposal(tokens, None, conf)
         cand_ids = m.to_target_ids(cand) if d2t is not None else cand

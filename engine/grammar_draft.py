@@ -1,7 +1,12 @@
 """The grammar's masks for the draft's eager Markov walk: step k of a constrained row may only pick what the grammar
 allows after that row's drafts d_0..d_{k-1}, so its drafts stay inside the grammar (more of them are accepted). q
 is the masked distribution each draft was drawn from; a row whose allowed set has nothing the draft can say stays
-unmasked at that step (then q is the unmasked one). The states are left where they were."""
+unmasked at that step (then q is the unmasked one). The states are left where they were.
+
+A step where the grammar allows one token only, which the draft can say, drafts it for certain, and the masked
+target emits it for certain: its conditional confidence is 1 (FORCED_LOGIT), so the policy verifies a JSON key or
+any other forced run as the sure thing it is. Whether step k is forced depends on d_0..d_{k-1} only, never on d_k,
+as the policy's losslessness asks."""
 
 from __future__ import annotations
 
@@ -45,6 +50,20 @@ class DraftMasks:
         for state, n in zip(self.states, self.taken):
             state.rollback(n)
         self.taken = [0] * len(self.rows)
+
+
+FORCED_LOGIT = 40.0  # a confidence logit whose sigmoid is 1.0 in fp32
+
+
+def forced_rows(allowed: Tensor, sayable: Tensor) -> Tensor:
+    """allowed [R, V] bool (target vocab), sayable [R, C] bool (those of the draft's C columns) -> [R] bool: the
+    grammar allows exactly one token and the draft can say it."""
+    return (allowed.sum(-1) == 1) & sayable.any(-1)
+
+
+def with_forced(conf_logits: Tensor, allowed: Tensor, sayable: Tensor) -> Tensor:
+    """[R] confidence logits, FORCED_LOGIT on the forced rows."""
+    return torch.where(forced_rows(allowed, sayable), FORCED_LOGIT, conf_logits)
 
 
 def keep(allowed: Tensor) -> Tensor:

@@ -84,6 +84,48 @@ def test_a_row_whose_grammar_allows_nothing_the_draft_can_say_walks_unmasked(spe
     assert q_refused.isfinite().all() and torch.allclose(q_refused, q_free)
 
 
+class _ForceEvenSteps:
+    """Step k even: row 0 may say token 5 only (forced); row 1 may say 5 or 6; odd steps allow everything."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def allowed(self, k, prev):
+        ok = torch.ones(2, self.vocab, dtype=torch.bool)
+        if k % 2 == 0:
+            ok[:] = False
+            ok[0, 5] = ok[1, 5] = ok[1, 6] = True
+        return ok
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("spec, temperature", [({}, 0.0), ({"dspark_draft_topk": 64}, 0.8)],
+                         ids=["full-greedy", "topk-sampled"])
+def test_a_step_the_grammar_forces_is_drafted_with_certainty(spec, temperature):
+    """Where the grammar allows one token the draft drafts it and its confidence is 1; elsewhere the confidence is
+    the head's own."""
+    target, draft = build_pair(seed=3, vocab=64, block_size=3, markov_rank=4)
+    side = LLM(target, draft, spec, device="cpu", block_size=8, num_kv_blocks=64).draft
+    w = side.model.fc.weight
+    hidden = torch.randn(2, side.num_speculative_tokens, w.shape[0], generator=torch.Generator().manual_seed(0),
+                         dtype=w.dtype)
+    temps = torch.tensor([temperature] * 2)
+    args = (hidden, side.model.head_logits(hidden), torch.tensor([1, 2]), temps, torch.tensor([5, 6]),
+            torch.tensor([10, 10]), temperature > 0)
+    free, forced = side.markov_walk(*args), side.markov_walk(*args, masks=_ForceEvenSteps(64))
+    conf, base = torch.sigmoid(forced.confidence_logits), torch.sigmoid(free.confidence_logits)
+    even = torch.arange(side.num_speculative_tokens) % 2 == 0
+    assert (forced.tokens[0, even] == 5).all() and (conf[0, even] == 1.0).all()
+    assert torch.isin(forced.tokens[1, even], torch.tensor([5, 6])).all() and (conf[1, even] < 1.0).all()
+    assert torch.equal(conf[1, 0], base[1, 0])  # step 0 follows the same anchor: the head's own confidence
+    m, prev = side.model, torch.cat([torch.tensor([[1], [2]]), forced.tokens[:, :-1]], 1)  # each step's previous
+    for k in range(1, side.num_speculative_tokens, 2):  # steps the grammar leaves free: the head's confidence
+        head = torch.sigmoid(m.confidence_logit(hidden[:, k], m.markov_embed(prev[:, k])))
+        assert torch.allclose(conf[:, k], head, atol=1e-6), k
+
+
 def _mask(state, drafts):
     return [set(r.nonzero().flatten().tolist()) for r in unpack_bitmask(state.masks_for(drafts), len(LETTERS))]
 
