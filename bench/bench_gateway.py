@@ -91,6 +91,54 @@ class StandInVerifier:
         self.stats = _Method(lambda: {})
 
 
+CALL_STARTS: list[float] = []  # time.monotonic() of each Generate call's start at the server (this process)
+
+
+def _record_call_starts() -> None:
+    from dspark_serve.cluster.gateway import GatewayCore
+
+    generate = GatewayCore.generate
+
+    def timed(self, *args):
+        CALL_STARTS.append(time.monotonic())
+        return generate(self, *args)
+
+    GatewayCore.generate = timed
+
+
+def start_bare(step_ms: float, tokens_per_step: int) -> str:
+    """A bare grpc.aio server of dspark.v1.Generation in a thread: each call streams tokens_per_step tokens every
+    step_ms up to its max_tokens, then a Complete; nothing else (what grpc.aio itself costs); -> its address."""
+    import grpc
+
+    from dspark_serve.cluster.grpc_methods import SERVICE_NAME
+    from dspark_serve.protos.dspark.v1 import dspark_pb2 as pb
+
+    async def generate(request, context):
+        CALL_STARTS.append(time.monotonic())
+        sent = 0
+        while sent < request.sampling.max_tokens:
+            await asyncio.sleep(step_ms / 1e3)
+            n = min(tokens_per_step, request.sampling.max_tokens - sent)
+            sent += n
+            yield pb.GenerateResponse(chunk=pb.GenerateChunk(token_ids=[1] * n, num_output_tokens=sent))
+        yield pb.GenerateResponse(complete=pb.GenerateComplete(output_ids=[1] * sent, stats=pb.SpecStats()))
+
+    loop, ready = asyncio.new_event_loop(), mp.get_context("spawn").Queue()
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        handler = grpc.unary_stream_rpc_method_handler(generate, pb.GenerateRequest.FromString,
+                                                      pb.GenerateResponse.SerializeToString)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),))
+        ready.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await asyncio.Event().wait()
+
+    threading.Thread(target=lambda: loop.run_until_complete(run()), daemon=True).start()
+    return f"127.0.0.1:{ready.get(timeout=60)}"
+
+
 def start_gateway(target: str, address: tuple, messages_per_s: float,
                   profile=None) -> tuple[str, asyncio.AbstractEventLoop]:
     """The real gRPC gateway on its own event loop in a thread of this process (`profile`, a cProfile.Profile:
@@ -110,6 +158,14 @@ def start_gateway(target: str, address: tuple, messages_per_s: float,
 
     threading.Thread(target=lambda: loop.run_until_complete(run()), daemon=True).start()
     return f"127.0.0.1:{ready.get(timeout=60)}", loop
+
+
+def spread(records: list[dict], starts: list[float]) -> dict:
+    """When the first wave's calls left the clients and when the server started them (ms after the first left):
+    first, median, last."""
+    t0 = sorted(r["t0"] for r in records)[:len(starts)]
+    at = lambda xs: [round(1e3 * (xs[i] - t0[0]), 2) for i in (0, len(xs) // 2, -1)] if xs else []  # noqa: E731
+    return {"client_sent_ms": at(t0), "server_started_ms": at(starts)}
 
 
 def server_cpu_s() -> float:
@@ -142,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--client-procs", type=int, default=8)
     ap.add_argument("--stream-messages-per-s", type=float, default=6000.0)
+    ap.add_argument("--bare", action="store_true", help="a bare grpc.aio server streaming the same shape of answers "
+                    "in place of the gateway and the stand-in (what grpc.aio itself costs)")
     ap.add_argument("--profile", type=int, default=0, help="print the gateway thread's top N functions (cProfile)")
     ap.add_argument("--profile-sort", default="tottime")
     ap.add_argument("--json")
@@ -154,13 +212,18 @@ def main(argv: list[str] | None = None) -> dict:
     q = ctx.Queue()
     loop_proc = ctx.Process(target=stand_in, args=(q, args.step_ms, args.tokens_per_step), daemon=True)
     loop_proc.start()
-    address, loop = start_gateway(args.target, q.get(timeout=60), args.stream_messages_per_s, prof)
+    if args.bare:
+        address, loop = start_bare(args.step_ms, args.tokens_per_step), None
+    else:
+        _record_call_starts()
+        address, loop = start_gateway(args.target, q.get(timeout=60), args.stream_messages_per_s, prof)
     prompts, _ = chat_prompts(args.target, args.requests)
     rows = []
     for c in args.levels:
         load(address, None, prompts[:c], c, args.max_tokens, False, args.client_procs)  # warm-up
         for rnd in range(args.rounds):
             cpu0 = server_cpu_s()
+            CALL_STARTS.clear()
             records, wall = load(address, None, prompts, c, args.max_tokens, False, args.client_procs)
             cpu = server_cpu_s() - cpu0
             s = summarize(records, wall)
@@ -168,18 +231,20 @@ def main(argv: list[str] | None = None) -> dict:
             late = [1e3 * (r["t_end"] - r["t0"]) - r["finish_ms"] - r["gateway_intake_ms"] for r in ok]
             rows.append({"concurrency": c, "round": rnd, **s, "stand_in_tok_s": c * 1e3 * args.tokens_per_step
                          / args.step_ms, "final_late_ms_p50": statistics.median(late),
-                         "gateway_cpu_s": cpu, "gateway_cpu_ms_per_1k_tokens": 1e6 * cpu / max(s["tokens"], 1)})
+                         "gateway_cpu_s": cpu, "gateway_cpu_ms_per_1k_tokens": 1e6 * cpu / max(s["tokens"], 1),
+                         **spread(ok, sorted(CALL_STARTS)[:c])})
             r = rows[-1]
             print(f"c={c:<4} round {rnd}  {r['tok_s']:9.1f} tok/s (stand-in {r['stand_in_tok_s']:.0f})  TTFT p50 "
                   f"{r['ttft_ms_p50']:7.2f} ms (loop {r['loop_ttft_ms_p50']:6.2f})  TPOT p50 {r['tpot_ms_p50']:6.3f} "
                   f"ms (loop {r['loop_tpot_ms_p50']:6.3f})  final late p50 {r['final_late_ms_p50']:6.2f} ms  gateway "
-                  f"CPU {r['gateway_cpu_ms_per_1k_tokens']:6.1f} ms / 1k tokens ({cpu / wall:.0%} of a core)  "
+                  f"CPU {r['gateway_cpu_ms_per_1k_tokens']:6.1f} ms / 1k tokens ({cpu / wall:.0%} of a core)  first "
+                  f"wave sent {r['client_sent_ms']}, started {r['server_started_ms']} ms  "
                   f"errors {r['errors']}", flush=True)
     result = {"step_ms": args.step_ms, "tokens_per_step": args.tokens_per_step, "max_tokens": args.max_tokens,
               "requests": args.requests, "stream_messages_per_s": args.stream_messages_per_s, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
-    if prof is not None:
+    if prof is not None and loop is not None:
         done = threading.Event()
         loop.call_soon_threadsafe(lambda: (prof.disable(), done.set()))
         done.wait(10)

@@ -134,6 +134,8 @@ class GatewayCore:
         if live is not None:
             live.pending.append(item)
             live.wake.set()
+            if _ends(item):
+                live.urgent.set()
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self.live):
@@ -242,8 +244,8 @@ class GatewayCore:
         loop = asyncio.get_running_loop()
         end = None if deadline_s is None else loop.time() + deadline_s
         keys = self.keys[caller, rid] = [secrets.token_hex(16) for _ in range(num_seqs)]
-        stop, wake = params.pop("stop"), asyncio.Event()  # one wake for the request's n sequences
-        lives = [self._open(key, stop, params, wake, score_only) for key in keys]
+        stop, wake, urgent = params.pop("stop"), asyncio.Event(), asyncio.Event()  # shared by its n sequences
+        lives = [self._open(key, stop, params, wake, urgent, score_only) for key in keys]
         done = [False] * num_seqs
         try:
             try:
@@ -272,7 +274,7 @@ class GatewayCore:
                 try:
                     await asyncio.wait_for(wake.wait(), None if end is None else max(0.0, end - loop.time()))
                     if sent is not None:
-                        await self._pace(lives, wake, sent)
+                        await self._pace(lives, urgent, sent)
                 except asyncio.TimeoutError:
                     raise GatewayError("DEADLINE_EXCEEDED", "deadline exceeded; the request was aborted") from None
                 wake.clear()
@@ -310,29 +312,28 @@ class GatewayCore:
             await asyncio.sleep(0.005)
         return (caller, rid) not in self.keys
 
-    def _open(self, key: str, stop: tuple[str, ...], params: dict, wake: asyncio.Event, score_only: bool) -> LiveSequence:
+    def _open(self, key: str, stop: tuple[str, ...], params: dict, wake: asyncio.Event, urgent: asyncio.Event,
+              score_only: bool) -> LiveSequence:
         """One sequence's entry in live, with its text options."""
         text = text_stream(self.token_text, stop, params.get("include_stop_str_in_output", False),
                            params.get("min_tokens", 0), params.get("skip_special_tokens", True))
-        live = self.live[key] = LiveSequence(text, 0, wake=wake, score_only=score_only)
+        live = self.live[key] = LiveSequence(text, 0, wake=wake, urgent=urgent, score_only=score_only)
         return live
 
-    async def _pace(self, lives: list[LiveSequence], wake: asyncio.Event, sent: float) -> None:
-        """Hold a stream's next chunk until its share of the message rate allows it, or until its final comes (a
-        final is never held): with many streams, each message carries several steps, and the gateway's time per
-        step stays bounded."""
+    async def _pace(self, lives: list[LiveSequence], urgent: asyncio.Event, sent: float) -> None:
+        """Hold a stream's next chunk until its share of the message rate allows it, or until its final (or an
+        error) comes: a final is never held. With many streams each message carries several steps, and the
+        gateway's time per step stays bounded; the outputs that come meanwhile do not wake the stream."""
         loop = asyncio.get_running_loop()
+        urgent.clear()
         until = sent + len(self.live) / self.cfg.stream_messages_per_s
-        timer = None
+        if until - loop.time() <= 1e-4 or any(_ends(x) for live in lives for x in live.pending):
+            return
+        timer = loop.call_at(until, urgent.set)
         try:
-            while loop.time() < until - 1e-4 and not any(  # a final or an error ends the wait
-                    not isinstance(x, Output) or x.finish_reason is not None for live in lives for x in live.pending):
-                timer = timer or loop.call_at(until, wake.set)
-                wake.clear()
-                await wake.wait()
+            await urgent.wait()
         finally:
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
 
     async def abort(self, ids: list[str], caller: str) -> list[str]:
         """Only the caller's own requests; -> the ids that were running."""
@@ -394,6 +395,11 @@ class GatewayCore:
                 await asyncio.sleep(0.02)
         for key in list(self.live):  # the pair did not end them: they end here
             self._deliver(key, Output(key, [], "abort", convert.NO_STATS))
+
+
+def _ends(item: Any) -> bool:
+    """A step loop's record that ends its sequence: its final output, or an error."""
+    return not isinstance(item, Output) or item.finish_reason is not None
 
 
 def _token_text(tokenizer_json: str) -> TokenText:

@@ -19,6 +19,7 @@ class LiveSequence:
     num_prompt_tokens: int
     pending: list = field(default_factory=list)  # Outputs (or an exception to raise) not taken yet
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    urgent: asyncio.Event = field(default_factory=asyncio.Event)  # set by a final or an error only
     stop_sent: bool = False
     score_only: bool = False  # max_tokens 0: the prompt's logprobs only; the engine's one token is dropped
     sent: bool = False  # its add went to the step loop

@@ -15,19 +15,16 @@ def _paced(last_item) -> tuple[bool, bool, bool]:
 
     async def run():
         core = GatewayCore(None, {"target": "t"}, GatewayConfig(stream_messages_per_s=1.0))
-        wake = asyncio.Event()
-        live = LiveSequence(text=None, num_prompt_tokens=0, wake=wake)
+        live = LiveSequence(text=None, num_prompt_tokens=0)
         core.live = {"a": live, "b": LiveSequence(text=None, num_prompt_tokens=0)}
         loop = asyncio.get_running_loop()
-        task = loop.create_task(core._pace([live], wake, loop.time()))
+        task = loop.create_task(core._pace([live], live.urgent, loop.time()))
         await asyncio.sleep(0.05)
         held = not task.done()
-        live.pending.append(Output("a", [1]))
-        wake.set()
+        core._deliver("a", Output("a", [1]))
         await asyncio.sleep(0.05)
         still = not task.done()
-        live.pending.append(last_item)
-        wake.set()
+        core._deliver("a", last_item)
         try:
             await asyncio.wait_for(task, 0.5)
             ended = True
@@ -50,12 +47,11 @@ def test_an_error_ends_the_pace():
 def test_the_pace_ends_at_its_share_of_the_rate():
     async def run():
         core = GatewayCore(None, {"target": "t"}, GatewayConfig(stream_messages_per_s=20.0))
-        wake = asyncio.Event()
-        live = LiveSequence(text=None, num_prompt_tokens=0, wake=wake)
+        live = LiveSequence(text=None, num_prompt_tokens=0)
         core.live = {"a": live}
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        await asyncio.wait_for(core._pace([live], wake, t0), 1.0)  # one live stream at 20/s: 50 ms
+        await asyncio.wait_for(core._pace([live], live.urgent, t0), 1.0)  # one live stream at 20/s: 50 ms
         waited = loop.time() - t0
         await core.close()
         return waited
