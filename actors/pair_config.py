@@ -29,6 +29,7 @@ class PairConfig:
     cpu_threads: int = 0  # torch threads of each CPU actor; 0: every CPU of its node (actors take turns in a step)
     target_resources: tuple[tuple[str, float], ...] = ()  # custom Ray resources steering the verifier
     draft_resources: tuple[tuple[str, float], ...] = ()
+    step_trace: str | None = None  # a file the step loop appends a JSON line to per step (times, shape): benchmarks
 
     def validate(self) -> None:
         self.engine.validate()

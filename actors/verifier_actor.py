@@ -9,6 +9,7 @@ the control plane: bring-up, health, stats, shutdown.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import traceback
@@ -127,12 +128,15 @@ class VerifierActor:
 
     def _loop(self) -> None:
         set_cpu_threads(self.device, self.cfg.cpu_threads)  # OpenMP's thread count is per calling thread
+        trace = None
         try:
             t, clock = self._loop_time, time.perf_counter
+            trace = open(self.cfg.step_trace, "a", buffering=1) if self.cfg.step_trace else None
             while not self._stop:
                 busy, t0 = self.llm.has_unfinished(), clock()
                 frames, lost = self.stream.poll(0.0 if busy else
                                                 COMPILE_POLL_S if self.grammar_adds.pending else IDLE_POLL_S)
+                adds = sum(isinstance(f, Add) for _, f in frames)
                 if lost:  # a gateway is gone: so are its sequences
                     self._drop_gateways(set(lost))
                 for cid, frame in frames:
@@ -150,10 +154,13 @@ class VerifierActor:
                     outs = self.llm.core.step()
                     t2 = clock()
                     self._publish(outs)
+                    t3 = clock()
                     t["loop_steps"] += 1
                     t["loop_intake_s"] += t1 - t0 if busy else 0.0
                     t["loop_step_s"] += t2 - t1
-                    t["loop_publish_s"] += clock() - t2
+                    t["loop_publish_s"] += t3 - t2
+                    if trace is not None:
+                        self._trace(trace, t1 - t0 if busy else 0.0, t2 - t1, t3 - t2, adds)
                     if remote is not None and self.llm.draft is None:  # the step found the draft gone
                         self._close_channel()
                 else:
@@ -170,6 +177,16 @@ class VerifierActor:
                     pass
             self._close_channel()
             self.stream.close()
+            if trace is not None:
+                trace.close()
+
+    def _trace(self, out, intake_s: float, step_s: float, publish_s: float, adds: int) -> None:
+        """One step's line: t (time.monotonic() at its start, the clock of every process on the node)."""
+        s = self.llm.scheduler
+        out.write(json.dumps({"t": round(time.monotonic() - step_s - publish_s, 6), "step_ms": round(1e3 * step_s, 3),
+                              "intake_ms": round(1e3 * intake_s, 3), "publish_ms": round(1e3 * publish_s, 3),
+                              "adds": adds, "running": len(s.running), "waiting": len(s.waiting),
+                              **self.llm.core.last_shape._asdict()}) + "\n")
 
     def _swap_draft(self) -> None:
         new, self._new_draft = self._new_draft, None

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from servers import ROOT, drain, start_serve, start_server, stop
-from service_clients import cpu_use, host_cpu, load
+from service_clients import LOOP_TIMES, cpu_use, host_cpu, load, loop_times
 
 BENCH = Path(__file__).resolve().parent
 LAYOUT_FLAGS = {"default": [], "colocate": ["--colocate"], "split": ["--no-colocate"], "gateways": [],
@@ -106,19 +106,6 @@ def _ttft_split(ok: list[dict]) -> dict:
             "gateway_intake_ms_p50": med(r["gateway_intake_ms"] for r in served),
             "add_wait_ms_p50": med(r["gateway_first_token_ms"] - r["gateway_intake_ms"] - r["first_token_ms"]
                                    for r in served)}
-
-
-LOOP_TIMES = ("loop_steps", "loop_step_s", "loop_intake_s", "loop_publish_s")
-
-
-def loop_times(t: dict, wall_s: float) -> dict:
-    """The step loop's (or the engine's) steps in a run: ms per step in the engine step, taking adds and writing
-    outputs (served only), and the share of the run's wall time in all three."""
-    n = max(t["loop_steps"], 1)
-    busy = t["loop_step_s"] + t.get("loop_intake_s", 0.0) + t.get("loop_publish_s", 0.0)
-    return {"loop_steps": int(t["loop_steps"]), "loop_step_ms": 1e3 * t["loop_step_s"] / n,
-            "loop_intake_ms": 1e3 * t.get("loop_intake_s", 0.0) / n,
-            "loop_publish_ms": 1e3 * t.get("loop_publish_s", 0.0) / n, "loop_busy_frac": busy / wall_s}
 
 
 # -- the in-process engine ---------------------------------------------------------------------------------------
@@ -239,7 +226,7 @@ def served_rows(layout: str, address: str, application: str | None, args: argpar
             records, wall = load(address, application, prompts, c, args.max_tokens, plain, args.client_procs,
                                  cpu=cpu)
             rows.append(_row(layout, c, plain, summarize(records, wall), rnd))
-            rows[-1].update(cpu)
+            rows[-1].update(cpu, t_first_sent=_sent(records))
             after = stats.server_stats()
             rows[-1].update(loop_times({k: getattr(after, k) - getattr(before, k) for k in LOOP_TIMES}, wall))
             rows[-1]["graphs_recorded_during"] = after.num_cuda_graphs - before.num_cuda_graphs
@@ -251,7 +238,7 @@ def served_rows(layout: str, address: str, application: str | None, args: argpar
         for plain in (True, False):
             records, wall = load(address, application, prompts, 0, args.max_tokens, plain, args.client_procs,
                                  offsets)
-            rows.append(_row(layout, f"{rate:g}/s", plain, summarize(records, wall)))
+            rows.append(_row(layout, f"{rate:g}/s", plain, summarize(records, wall), t_first_sent=_sent(records)))
             print(_line(rows[-1]), flush=True)
     stats.close()
     return rows
@@ -262,9 +249,13 @@ def _turns(rounds: int) -> list[tuple[int, bool]]:
     return [(rnd, plain) for rnd in range(rounds) for plain in (True, False)]
 
 
-def _row(layout: str, level: int | str, plain: bool, summary: dict, rnd: int = 0) -> dict:
+def _row(layout: str, level: int | str, plain: bool, summary: dict, rnd: int = 0, **extra) -> dict:
     """level: a concurrency, or a request rate ("4/s")."""
-    return {"layout": layout, "concurrency": level, "mode": "plain" if plain else "spec", "round": rnd, **summary}
+    return dict(layout=layout, concurrency=level, mode="plain" if plain else "spec", round=rnd, **summary, **extra)
+
+
+def _sent(records: list[dict]) -> float | None:  # when a run's first request left (the step trace's clock)
+    return min((r["t0"] for r in records if "t0" in r), default=None)
 
 
 def _line(r: dict) -> str:
@@ -370,6 +361,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--client-procs", type=int, default=8, help="load-generator processes at most")
     ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--step-trace", metavar="DIR", help="the served step loops' per-step lines into "
+                    "DIR/steps_LAYOUT.jsonl (rows name when their first request left: t_first_sent)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     args.speculative_config = args.speculative_config or gpu_spec_config(args.draft)
@@ -387,8 +380,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for layout in [x for x in args.layouts if x != "engine"]:
             t0 = time.monotonic()
+            trace = ["--step-trace", str(Path(args.step_trace) / f"steps_{layout}.jsonl")] if args.step_trace else []
             proc, address = start_serve(args, serve_config(args, Path(tmp))) if layout == "serve" else \
-                start_server(args, LAYOUT_FLAGS[layout] + (
+                start_server(args, LAYOUT_FLAGS[layout] + trace + (
                     ["--api-server-count", str(args.api_server_count)] if layout == "gateways" else []))
             drain(proc)
             print(f"{layout}: up in {time.monotonic() - t0:.1f} s at {address}", flush=True)

@@ -1,6 +1,7 @@
 """bench_service.py's load generator: c clients in several processes (so that the gateway, not the load generator,
 is what is measured), each on a connection of its own, or Poisson arrivals; each request's record: its times, tokens
-and the Complete's stats."""
+and the Complete's stats. Beside it, what the server spent meanwhile: the host's and its processes' cores, and the
+step loop's time by part."""
 
 from __future__ import annotations
 
@@ -111,6 +112,19 @@ def cpu_use(before: tuple, after: tuple, wall_s: float) -> dict:
     host = ncpu * (after[0] - before[0]) / max(after[1] - before[1], 1)
     return {"host_busy_cores": host, **{f"cpu_cores {k}": (v - before[2].get(k, 0)) / tick / wall_s
                                         for k, v in after[2].items()}}
+
+
+LOOP_TIMES = ("loop_steps", "loop_step_s", "loop_intake_s", "loop_publish_s")
+
+
+def loop_times(t: dict, wall_s: float) -> dict:
+    """The step loop's (or the engine's) steps in a run: ms per step in the engine step, taking adds and writing
+    outputs (served only), and the share of the run's wall time in all three."""
+    n = max(t["loop_steps"], 1)
+    busy = t["loop_step_s"] + t.get("loop_intake_s", 0.0) + t.get("loop_publish_s", 0.0)
+    return {"loop_steps": int(t["loop_steps"]), "loop_step_ms": 1e3 * t["loop_step_s"] / n,
+            "loop_intake_ms": 1e3 * t.get("loop_intake_s", 0.0) / n,
+            "loop_publish_ms": 1e3 * t.get("loop_publish_s", 0.0) / n, "loop_busy_frac": busy / wall_s}
 
 
 def load(address: str, application: str | None, prompts: list[str], concurrency: int, max_tokens: int,

@@ -21,7 +21,8 @@
 #             wheels installed)
 #   loop      the gateway's ceiling with a stand-in step loop (bench_gateway), then the served step loop against
 #             the engine at c = 64, two rounds: ms per step, the loop's TPOT and end-to-end beside the client's,
-#             the cores busy; the served path again with 2000 chunk messages a second (the paced layout)
+#             the cores busy, each served step's line (steps_*.jsonl); the served path again with 2000 chunk messages
+#             a second (the paced layout)
 #   chat      multi-turn conversations sharing a 1,500-token system prompt: the prefix cache on against off
 #   replicas  the same against two Serve replicas on the one GPU: the prefix router against power of two
 #   structured  JSON-schema outputs: validity at T = 0 / 0.8 and batch-1 speed with and without a schema (xgrammar)
@@ -342,7 +343,7 @@ loop)
     timeout 90 python3 bench/bench_gateway.py --target $T --levels 64 --rounds 2 --json "$OUT/gateway.json" 2>&1 \
         | tee "$OUT/gateway.log" | grep "^c="
     RAY_AUTH_MODE=token timeout 450 python3 bench/bench_service.py --target $T --layouts engine default paced \
-        --levels 64 --rounds 2 --json "$OUT/service_loop.json" 2>&1 | tee "$OUT/service_loop.log" \
+        --levels 64 --rounds 2 --step-trace "$OUT" --json "$OUT/service_loop.json" 2>&1 | tee "$OUT/service_loop.log" \
         | grep -v Warn | tail -14 ;;
 chat)
     RAY_AUTH_MODE=token timeout 570 python3 bench/bench_chat.py --target $T --layouts cache nocache --rounds 1 \

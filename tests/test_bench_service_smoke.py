@@ -20,8 +20,8 @@ def test_bench_service_runs_concurrency_and_request_rates(tmp_path):
     subprocess.run([sys.executable, str(BENCH / "bench_service.py"), "--target", str(target), "--draft", str(draft),
                     "--speculative-config", "{}", "--device", "cpu", "--levels", "2", "--request-rates", "8",
                     "--requests", "4", "--max-tokens", "6", "--layouts", "engine", "gateways", "--api-server-count", "2", "--num-kv-blocks", "256",
-                    "--max-model-len", "512", "--client-procs", "2", "--rounds", "2", "--json", str(out)], check=True,
-                   timeout=600)
+                    "--max-model-len", "512", "--client-procs", "2", "--rounds", "2", "--step-trace", str(tmp_path),
+                    "--json", str(out)], check=True, timeout=600)
     r = json.loads(out.read_text())
     loads = {(row["layout"], row["concurrency"], row["mode"]) for row in r["rows"]}
     assert loads == {(layout, level, mode) for layout in ("engine", "gateways") for level in (2, "8/s")
@@ -42,3 +42,10 @@ def test_bench_service_runs_concurrency_and_request_rates(tmp_path):
                             for rnd in (0, 1))  # each level's runs twice, alternating; the rates once
     assert sorted((s["layout"], s["round"]) for s in r["summary"] if s["concurrency"] == 2) == \
         [("engine", 0), ("engine", 1), ("gateways", 0), ("gateways", 1)]
+    # the step loop's trace: one line a step, every request's first token in one of them (the warm-up waves too)
+    steps = [json.loads(line) for line in (tmp_path / "steps_gateways.jsonl").read_text().splitlines()]
+    served = [row for row in r["rows"] if row["layout"] == "gateways"]
+    answered = sum(row["requests"] for row in served) + 2 * 2
+    assert sum(x["first_tokens"] for x in steps) == answered and sum(x["adds"] for x in steps) == answered
+    assert all(x["step_ms"] > 0 and x["prefill_tokens"] >= x["first_tokens"] for x in steps)
+    assert all(row["t_first_sent"] <= steps[-1]["t"] for row in served)

@@ -40,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
     target = _serve_target(args)
     deployment = dict(placement=args.placement, channel_host=args.channel_host, colocate=args.colocate,
                       cpu_threads=args.cpu_threads, channel_timeout_s=args.channel_timeout,
-                      keepalive_s=args.keepalive,
+                      keepalive_s=args.keepalive, step_trace=args.step_trace,
                       target_resources=_resources(args.target_resources, "--target-resources"),
                       draft_resources=_resources(args.draft_resources, "--draft-resources"))
     gateway = GatewayConfig(host=args.host, port=args.port, max_queue=args.max_queue,
@@ -135,6 +135,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds one step-channel operation may take before the draft counts as gone (default 120)")
     s.add_argument("--keepalive", type=float, default=20.0,
                    help="seconds between pings of an idle step channel, below --channel-timeout (default 20)")
+    s.add_argument("--step-trace", metavar="FILE",
+                   help="append a JSON line per engine step to FILE on the verifier's node (its time, ms in the "
+                        "step, taking adds and writing outputs, the adds taken, prompt chunks, first tokens, decode "
+                        "rows, drafts verified): for benchmarks, it grows with every step")
     s.add_argument("--target-resources", help='custom Ray resources for the verifier, JSON, e.g. {"target_gpu": 1}')
     s.add_argument("--draft-resources", help='custom Ray resources for the draft, JSON, e.g. {"draft_gpu": 1}')
     s.add_argument("--api-server-count", "-asc", type=int, default=1,

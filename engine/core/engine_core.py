@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ..drafter import Drafter
 from ..request import FinishReason, Request, StepOutput
@@ -20,6 +21,17 @@ def draft_shape(draft: Drafter | None) -> DraftShape | None:
     return DraftShape(draft.num_speculative_tokens, draft.query_len, draft.num_blocks)
 
 
+class StepShape(NamedTuple):
+    """What the last step did: its prompt chunks (requests, tokens, first tokens sampled) and decode rows (with the
+    drafts they verified)."""
+
+    prefill_reqs: int
+    prefill_tokens: int
+    first_tokens: int
+    decode_rows: int
+    verified: int
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor, vocab_size: int,
                  make_policy: Callable[[Drafter | None], SpecPolicy | None] = lambda d: None) -> None:
@@ -32,6 +44,7 @@ class EngineCore:
         self._live: set[str] = set()  # ids added and not yet finished
         self._timing: tuple[float, tuple | None] | None = None  # the last step's start and its decode shape
         self._drafted = False  # whether the last decode step drafted
+        self.last_shape: StepShape | None = None
 
     @property
     def kv(self):
@@ -83,6 +96,9 @@ class EngineCore:
             plan = self.scheduler.schedule()
             result = self.executor.execute(plan)
             outputs += self.scheduler.update(plan, result)
+            self.last_shape = StepShape(len(plan.prefill), sum(len(c.tokens) for c in plan.prefill),
+                                        sum(c.samples for c in plan.prefill), len(plan.decode.reqs) if plan.decode
+                                        else 0, sum(r.verified for r in result.decoded))
             if result.draft_lost:
                 self.scheduler.set_draft(None, None)
             self._forget([o for o in outputs if o.finish_reason is not None])
