@@ -2,10 +2,11 @@
 process of its own) answers every Add with --tokens-per-step tokens each --step-ms, as the engine would at that
 speed, and c clients in several processes stream through the real gRPC gateway. Per level: tokens/s delivered
 against the stand-in's own, TTFT and TPOT p50 at the clients against the stand-in's, how late each final reaches its
-client after the stand-in finished it, and the gateway process's CPU time per 1,000 tokens and per message.
+client after the stand-in finished it, the gateway process's CPU time per 1,000 tokens, and when the first wave's
+calls left the clients and started at the server. --bare measures a bare grpc.aio server in the gateway's place.
 
 usage: python bench/bench_gateway.py [--levels 32 64] [--step-ms 3.6] [--tokens-per-step 3] [--max-tokens 128]
-                                     [--requests 64] [--rounds 2] [--client-procs 8] [--json OUT]
+                                     [--requests 64] [--rounds 2] [--client-procs 8] [--bare] [--json OUT]
 """
 
 from __future__ import annotations
@@ -209,12 +210,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     prof = cProfile.Profile() if args.profile else None
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    loop_proc = ctx.Process(target=stand_in, args=(q, args.step_ms, args.tokens_per_step), daemon=True)
-    loop_proc.start()
+    q, loop_proc = ctx.Queue(), None
     if args.bare:
         address, loop = start_bare(args.step_ms, args.tokens_per_step), None
     else:
+        loop_proc = ctx.Process(target=stand_in, args=(q, args.step_ms, args.tokens_per_step), daemon=True)
+        loop_proc.start()
         _record_call_starts()
         address, loop = start_gateway(args.target, q.get(timeout=60), args.stream_messages_per_s, prof)
     prompts, _ = chat_prompts(args.target, args.requests)
@@ -249,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
         loop.call_soon_threadsafe(lambda: (prof.disable(), done.set()))
         done.wait(10)
         pstats.Stats(prof).sort_stats(args.profile_sort).print_stats(args.profile)
-    loop_proc.terminate()
+    if loop_proc is not None:
+        loop_proc.terminate()
     return result
 
 
