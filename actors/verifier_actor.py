@@ -55,6 +55,7 @@ class VerifierActor:
         self._loop_time = {"loop_steps": 0, "loop_step_s": 0.0, "loop_intake_s": 0.0, "loop_publish_s": 0.0}
         self._owner: dict[str, int] = {}  # sequence -> the request-stream connection (gateway) that added it
         self._thread: threading.Thread | None = None
+        self._trace_file = None  # serve --step-trace: a JSON line per step
         self._new_draft: RemoteDraft | None = None  # a replacement draft, swapped in between steps
         self._channel_lock = threading.Lock()  # the process-wide torch.distributed group: closed once, re-made once
         self._channel_open = False
@@ -117,6 +118,8 @@ class VerifierActor:
                                    capture_layers=self.draft_cfg.target_layer_ids if remote is not None else ())
 
     def start(self) -> bool:
+        # a step trace that cannot be written fails the start, not the first step
+        self._trace_file = open(self.cfg.step_trace, "a", buffering=1) if self.cfg.step_trace else None
         self.stream = StreamServer(self.cfg.channel_host or node_ip())
         self._thread = threading.Thread(target=self._loop, name="dspark-step-loop", daemon=True)
         self._thread.start()
@@ -128,10 +131,9 @@ class VerifierActor:
 
     def _loop(self) -> None:
         set_cpu_threads(self.device, self.cfg.cpu_threads)  # OpenMP's thread count is per calling thread
-        trace = None
+        trace = self._trace_file
         try:
             t, clock = self._loop_time, time.perf_counter
-            trace = open(self.cfg.step_trace, "a", buffering=1) if self.cfg.step_trace else None
             while not self._stop:
                 busy, t0 = self.llm.has_unfinished(), clock()
                 frames, lost = self.stream.poll(0.0 if busy else
@@ -153,11 +155,11 @@ class VerifierActor:
                     t1 = clock()
                     outs = self.llm.core.step()
                     t2 = clock()
-                    self._publish(outs)
-                    t3 = clock()
-                    t["loop_steps"] += 1
+                    t["loop_steps"] += 1  # counted before the outputs leave: a reader who has them sees the step
                     t["loop_intake_s"] += t1 - t0 if busy else 0.0
                     t["loop_step_s"] += t2 - t1
+                    self._publish(outs)
+                    t3 = clock()
                     t["loop_publish_s"] += t3 - t2
                     if trace is not None:
                         self._trace(trace, t1 - t0 if busy else 0.0, t2 - t1, t3 - t2, adds)
