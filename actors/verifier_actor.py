@@ -138,7 +138,6 @@ class VerifierActor:
                 busy, t0 = self.llm.has_unfinished(), clock()
                 frames, lost = self.stream.poll(0.0 if busy else
                                                 COMPILE_POLL_S if self.grammar_adds.pending else IDLE_POLL_S)
-                adds = sum(isinstance(f, Add) for _, f in frames)
                 if lost:  # a gateway is gone: so are its sequences
                     self._drop_gateways(set(lost))
                 for cid, frame in frames:
@@ -162,7 +161,8 @@ class VerifierActor:
                     t3 = clock()
                     t["loop_publish_s"] += t3 - t2
                     if trace is not None:
-                        self._trace(trace, t1 - t0 if busy else 0.0, t2 - t1, t3 - t2, adds)
+                        self._trace(trace, t1 - t0 if busy else 0.0, t2 - t1, t3 - t2,
+                                    sum(isinstance(f, Add) for _, f in frames))
                     if remote is not None and self.llm.draft is None:  # the step found the draft gone
                         self._close_channel()
                 else:

@@ -44,7 +44,7 @@ class EngineCore:
         self._live: set[str] = set()  # ids added and not yet finished
         self._timing: tuple[float, tuple | None] | None = None  # the last step's start and its decode shape
         self._drafted = False  # whether the last decode step drafted
-        self.last_shape: StepShape | None = None
+        self._last: tuple | None = None  # the last step's plan and result
 
     @property
     def kv(self):
@@ -96,9 +96,7 @@ class EngineCore:
             plan = self.scheduler.schedule()
             result = self.executor.execute(plan)
             outputs += self.scheduler.update(plan, result)
-            self.last_shape = StepShape(len(plan.prefill), sum(len(c.tokens) for c in plan.prefill),
-                                        sum(c.samples for c in plan.prefill), len(plan.decode.reqs) if plan.decode
-                                        else 0, sum(r.verified for r in result.decoded))
+            self._last = (plan, result)
             if result.draft_lost:
                 self.scheduler.set_draft(None, None)
             self._forget([o for o in outputs if o.finish_reason is not None])
@@ -111,6 +109,15 @@ class EngineCore:
                                                   result.drafted, result.drafted == self._drafted, emitted))
             self._drafted = result.drafted if d is not None else self._drafted
             return outputs
+
+    @property
+    def last_shape(self) -> StepShape | None:
+        if self._last is None:
+            return None
+        plan, result = self._last
+        return StepShape(len(plan.prefill), sum(len(c.tokens) for c in plan.prefill),
+                         sum(c.samples for c in plan.prefill), len(plan.decode.reqs) if plan.decode else 0,
+                         sum(r.verified for r in result.decoded))
 
     def _time_last_step(self) -> None:
         """The wall time from the last step's start to this one's goes to the policy (decode steps only)."""
