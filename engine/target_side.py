@@ -56,7 +56,7 @@ class TargetSide:
         kernels = self.runner.kernels
         self.prompts = PromptGraphs(self.runner, self.cache, self.block_size, trash, max_model_len,
                                     self.capture_layers, capture, kernels.prompt_graph_work,
-                                    kernels.prompt_graph_max_prompts) \
+                                    kernels.prompt_graph_max_prompts, kernels.prompt_graph_packed) \
             if kernels.prompt_graphs else None
 
     def warm_up(self, max_batch: int = 1) -> int:

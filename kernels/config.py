@@ -69,6 +69,9 @@ class KernelConfig:
     # Up to this many prompts of a prefill step replay their graphs one after another; more run eagerly as one batch.
     # Served at c = 64 on an H100 (real demo pair, alternated runs) 8 gave 5-6 % fewer tokens/s than 4.
     prompt_graph_max_prompts: int = 4
+    # Two or more prompts of a prefill step run as one packed graph (their tokens one after another, varlen) instead
+    # of a graph each or an eager batch.
+    prompt_graph_packed: bool = True
     # The deterministic mode's matmul (matmul_invariant.config_for, by each weight's shape alone): K split until one
     # row tile's programs reach this many (0: K whole), in tiles of invariant_block_n output columns, K walked in
     # steps of invariant_block_k, invariant_warps warps a program.

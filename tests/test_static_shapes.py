@@ -95,11 +95,13 @@ def test_static_verify_logits_and_features_match_dynamic():
     assert torch.allclose(sides[0].cache[:, :, :live], sides[1].cache[:, :, :live], atol=1e-6)
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("lens", [[1, 32, 47], [30, 2, 9, 17, 5], [3, 30, 2, 9, 17, 5, 40, 1, 8]])
-def test_prompt_graphs_match_dynamic_prefill(lens):
+def test_prompt_graphs_match_dynamic_prefill(lens, packed):
     target, draft = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
     sides = [TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids) for _ in range(2)]
     sides[1].use_static_shapes(3, max_model_len=128)
+    sides[1].prompts.packed = packed
     assert sides[1].prompts.lengths == (32, 48, 64, 96, 128)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in lens]
@@ -114,16 +116,22 @@ def test_prompt_graphs_match_dynamic_prefill(lens):
     torch.testing.assert_close(sides[1].cache[:, :, :live], sides[0].cache[:, :, :live], atol=1e-5, rtol=1e-5)
     built, graphs = set(sides[1].prompts._runners), sides[1].prompts
     assert graphs.max_prompts == 4
-    want = {(32 if n <= 32 else 48, 0) for n in lens} if len(lens) <= graphs.max_prompts else set()
-    assert built == want  # five or nine prompts run eagerly as one batch
+    if packed:  # one graph: rows, tokens and context buckets
+        assert built == {({3: 4, 5: 8, 9: 16}[len(lens)], {80: 96, 63: 64, 115: 128}[sum(lens)], 256, 1)}
+    else:
+        want = {(32 if n <= 32 else 48, 0) for n in lens} if len(lens) <= graphs.max_prompts else set()
+        assert built == want  # five or nine prompts run eagerly as one batch
 
 
-def test_context_graphs_continue_prompts_after_a_cached_start_as_the_dynamic_prefill_does():
+@pytest.mark.parametrize("packed", [True, False])
+def test_context_graphs_continue_prompts_after_a_cached_start_as_the_dynamic_prefill_does(packed):
     """The rest of each prompt after a start already in the cache (written by the same eager prefill on both
-    sides): its graph attends to the cached keys through the block table and writes only the new tokens' K/V."""
+    sides): its graph (one packed graph, or one each) attends to the cached keys through the block table and writes
+    only the new tokens' K/V."""
     target, draft = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
     sides = [TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids) for _ in range(2)]
     sides[1].use_static_shapes(3, max_model_len=128)
+    sides[1].prompts.packed = packed
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (40, 19, 77)]
     starts = [16, 8, 40]
@@ -141,13 +149,16 @@ def test_context_graphs_continue_prompts_after_a_cached_start_as_the_dynamic_pre
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     live = sides[0].num_blocks
     torch.testing.assert_close(sides[1].cache[:, :, :live], sides[0].cache[:, :, :live], atol=1e-5, rtol=1e-5)
-    assert set(sides[1].prompts._runners) == {(32, 256), (48, 256)}  # 24 and 11 new tokens: 32; 37: 48
+    want = {(4, 96, 256, 1)} if packed else {(32, 256), (48, 256)}  # 72 new tokens; or 24 and 11: 32, 37: 48
+    assert set(sides[1].prompts._runners) == want
 
 
-def test_prompt_graphs_leave_compute_bound_prefills_eager():
+@pytest.mark.parametrize("packed", [True, False])
+def test_prompt_graphs_leave_compute_bound_prefills_eager(packed):
     target, _ = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
     side = TargetSide(target, 64, 8)
     side.use_static_shapes(0, max_model_len=128)
+    side.prompts.packed = packed
     c = target.config
     w = side.prompts.layer_weights
     assert w == c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_dim \
@@ -155,8 +166,10 @@ def test_prompt_graphs_leave_compute_bound_prefills_eager():
     side.prompts.max_work = 64 * w  # 64 padded tokens of this model at most
     takes = {tuple(lens): side.prompts.takes([0] * len(lens), lens)
              for lens in ([32], [30, 2], [33], [49], [64], [65], [32, 33], [1, 1, 1])}
+    # buckets 32, 32+32, 48, 64, 64, 96, 32+48, 3 x 32; packed, the sums': 32 for [30, 2], 96 for [32, 33], 32 for
+    # [1, 1, 1]
     assert takes == {(32,): True, (30, 2): True, (33,): True, (49,): True, (64,): True, (65,): False,
-                     (32, 33): False, (1, 1, 1): False}  # buckets 32, 32+32, 48, 64, 64, 96, 32+48, 3 x 32
+                     (32, 33): False, (1, 1, 1): packed}
     assert side.prompts.takes([0, 4], [5, 5])  # a sequence with a cached start: over its context
     assert not side.prompts.takes([100], [5])  # its padded tokens would pass max_model_len
     g = torch.Generator().manual_seed(2)

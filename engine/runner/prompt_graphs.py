@@ -5,9 +5,11 @@ prefix cache's blocks, or the earlier chunks of a long prompt) over its cached k
 The new tokens are padded at their end to a length bucket; under causal attention no real token sees the padding,
 whose K/V go to the trash slot. A prompt with a cached start also has a context bucket (its keys: cached and new),
 and its start is an input of the graph. The graph returns the last real token's logits and every new token's
-features. Several prompts (up to KernelConfig.prompt_graph_max_prompts) replay one graph each, one after another;
-more run eagerly as one batch. On CPU the same static path runs eagerly: that is what the CPU tests compare with the
-dynamic path.
+features. Two or more prompts run as one packed graph (KernelConfig.prompt_graph_packed): their new tokens one
+after another (varlen rows, each over its own keys), padded at the end to a token bucket, the rows to a batch bucket,
+so a step's prompts cost one forward of their tokens. Without it, up to KernelConfig.prompt_graph_max_prompts
+replay one graph each, one after another, and more run eagerly as one batch. On CPU the same static path runs
+eagerly: that is what the CPU tests compare with the dynamic path.
 
 Graphs pay off while the prefill is launch-bound. An eager prefill costs about one host launch time per layer
 whatever its length (Qwen3-8B shapes on an H200: 26-28 ms up to 1000 tokens), a graph the device time of its padded
@@ -45,6 +47,12 @@ def prompt_layout(length: int, w: int) -> Layout:
 
 
 @lru_cache(maxsize=None)
+def packed_layout(b: int, t: int, w: int) -> Layout:
+    """Up to b prompts' new tokens one after another, padded to t in all, over block tables of width w."""
+    return Layout(ids=t, positions=t, slots=t, cu=b + 1, seq_lens=b, last=b, block_table=b * w)
+
+
+@lru_cache(maxsize=None)
 def context_layout(length: int, w: int) -> Layout:
     """The rest of a prompt, padded to `length` tokens, after a cached start, over a block table of width w."""
     return Layout(ids=length, slots=length, last=1, start=1, block_table=w)
@@ -60,10 +68,11 @@ class PromptGraphs:
     def __init__(self, runner: TargetRunner, cache: Tensor, block_size: int, trash_slot: int,
                  max_model_len: int, capture_layers: tuple[int, ...] = (), capture: bool | None = None,
                  max_work: float = KernelConfig.prompt_graph_work,
-                 max_prompts: int = KernelConfig.prompt_graph_max_prompts) -> None:
+                 max_prompts: int = KernelConfig.prompt_graph_max_prompts,
+                 packed: bool = KernelConfig.prompt_graph_packed) -> None:
         self.runner, self.cache, self.block_size, self.trash = runner, cache, block_size, trash_slot
         self.max_work = max_work  # padded tokens x one layer's weights
-        self.max_prompts = max_prompts
+        self.max_prompts, self.packed = max_prompts, packed
         self.capture_layers, self.device = capture_layers, cache.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.max_model_len = max_model_len
@@ -72,10 +81,13 @@ class PromptGraphs:
         contexts = GraphBuckets().context
         top_context = bucket(max_model_len, contexts) or contexts[-1]
         self.contexts = tuple(c for c in contexts if c <= top_context)  # keys a prompt with a cached start sees
+        self.batches = GraphBuckets().batch
         self.staging = Staging(max(prompt_layout(top, self._width(top)).size,
-                                   context_layout(top, self._width(top_context)).size), torch.int64, self.device)
+                                   context_layout(top, self._width(top_context)).size,
+                                   packed_layout(self.batches[-1], top, self._width(top_context)).size),
+                               torch.int64, self.device)
         self.layer_weights = layer_weights(runner.model.config)
-        # (length bucket, context bucket or 0 for a fresh prompt) -> its graph
+        # (length bucket, context bucket or 0 for a fresh prompt) -> its graph; packed: (rows, tokens, context, 1)
         self._runners: dict[tuple[int, int], Callable[[], tuple[Tensor, Tensor | None]]] = {}
         self._pool = None
 
@@ -90,9 +102,21 @@ class PromptGraphs:
         context = bucket(start + length, self.contexts)
         return None if context is None or start + length > self.max_model_len else (length, context)
 
+    def _packed_shape(self, starts: list[int], lens: list[int]) -> tuple[int, int, int] | None:
+        """(rows bucket, tokens bucket, context bucket) of prompts run as one packed graph, or None."""
+        b, t = bucket(len(lens), self.batches), bucket(sum(lens), self.lengths)
+        c = bucket(max(s + n for s, n in zip(starts, lens)), self.contexts)
+        return None if b is None or t is None or c is None else (b, t, c)
+
+    def _packs(self, lens: list[int]) -> bool:
+        return self.packed and len(lens) > 1
+
     def takes(self, starts: list[int], lens: list[int]) -> bool:
-        """Whether run() takes these sequences: few enough, each within the buckets, their padded tokens
-        launch-bound (`max_work`)."""
+        """Whether run() takes these sequences: within the buckets (each, or packed together), their padded
+        tokens launch-bound (`max_work`); unpacked, few enough."""
+        if self._packs(lens):
+            shape = self._packed_shape(starts, lens)
+            return shape is not None and shape[1] * self.layer_weights <= self.max_work
         if not 0 < len(lens) <= self.max_prompts or any(self._shape(s, n) is None for s, n in zip(starts, lens)):
             return False
         return sum(bucket(n, self.lengths) for n in lens) * self.layer_weights <= self.max_work
@@ -121,6 +145,8 @@ class PromptGraphs:
         """Each token list at positions starts[b].. (default 0) of its blocks -> logits [R, 1, V] fp32 of its last
         token, and per sequence its tokens' features [len, F] (owned copies), as TargetSide.run(..., last_only=True)
         returns them."""
+        if self._packs([len(t) for t in tokens]):
+            return self._run_packed(block_tables, tokens, starts or [0] * len(tokens))
         logits, feats = [], []
         for blocks, ids, start in zip(block_tables, tokens, starts or [0] * len(tokens)):
             n = len(ids)
@@ -140,6 +166,54 @@ class PromptGraphs:
             logits.append(row.clone() if len(tokens) > 1 else row)
             feats.append(f[:n].clone() if f is not None else None)
         return (torch.cat(logits) if len(logits) > 1 else logits[0])[:, None], feats
+
+    def _run_packed(self, block_tables: list[list[int]], tokens: list[list[int]], starts: list[int]
+                    ) -> tuple[Tensor, list[Tensor | None]]:
+        """All prompts through one graph: each row's new tokens at positions starts[r].., then padding bound for the
+        trash slot, past the last row (no row's)."""
+        lens = [len(t) for t in tokens]
+        b, t, c = self._packed_shape(starts, lens)
+        w, r = self._width(c), len(tokens)
+        ids, pos, slots, cu, seq, last, table = [], [], [], [0], [], [], [0] * (b * w)
+        for i, (blocks, toks, s) in enumerate(zip(block_tables, tokens, starts)):
+            n = len(toks)
+            ids += toks
+            pos += range(s, s + n)
+            slots += slots_of(blocks, s, n, self.block_size)
+            cu.append(cu[-1] + n)
+            seq.append(s + n)
+            last.append(cu[-1] - 1)
+            table[i * w:i * w + min(len(blocks), w)] = blocks[:w]
+        pad = t - cu[-1]
+        self.staging.upload(packed_layout(b, t, w).pack(
+            ids=ids + [0] * pad, positions=pos + [0] * pad, slots=slots + [self.trash] * pad,
+            cu=cu + [cu[-1]] * (b - r), seq_lens=seq + [0] * (b - r), last=last + [0] * (b - r), block_table=table))
+        key = (b, t, c, 1)
+        if key not in self._runners:
+            self._runners[key] = self._build_packed(b, t, c)
+        rows, f = self._runners[key]()
+        return rows[:r, None].clone(), [f[a:a + n].clone() if f is not None else None for a, n in zip(cu, lens)]
+
+    def _build_packed(self, b: int, t: int, c: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
+        w = self._width(c)
+        layout = packed_layout(b, t, w)
+        v = layout.views(self.staging.dev)
+
+        def forward() -> tuple[Tensor, Tensor | None]:
+            meta = AttentionMetadata(cu_seqlens_q=v["cu"], seq_lens=v["seq_lens"], slot_mapping=v["slots"],
+                                     block_table=v["block_table"].view(b, w), max_query_len=t, max_seq_len=c,
+                                     causal=True, all_slots_valid=True)
+            hidden, feats = self.runner.forward(v["ids"], v["positions"], meta, self.cache,
+                                                capture_layers=self.capture_layers)
+            return self.runner.compute_logits(hidden.index_select(0, v["last"])), feats  # [b, V], [t, F]
+        if not self.capture:
+            return forward
+        pad = dict(ids=[0] * t, positions=[0] * t, slots=[self.trash] * t, cu=[0] * (b + 1), seq_lens=[0] * b,
+                   last=[0] * b, block_table=[0] * (b * w))
+        replay, self._pool, self.capture = capture_on_padding(
+            forward, self._pool, [self.staging.dev[:layout.size]], lambda: self.staging.upload(layout.pack(**pad)),
+            f" for {b} prompts of {t} tokens in a context of {c}")
+        return replay
 
     def _build(self, length: int, context: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
         """The forward of `length` new tokens: a fresh prompt (context 0), or after a staged start whose keys,

@@ -44,7 +44,11 @@ def test_prompt_graphs_equal_eager_prefill(dtype):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for p in prompts:  # one at a time: each prefill replays its length bucket's graph, recorded on first use
         assert graphs.generate([p], params)[0].token_ids == eager.generate([p], params)[0].token_ids
-    assert graphs.target.prompts.capture and set(graphs.target.prompts._runners) == {32, 48, 384}
+    assert graphs.target.prompts.capture and set(graphs.target.prompts._runners) == {(32, 0), (48, 0), (384, 0)}
+    # together (the rest of each after its cached blocks): one packed graph of 4 rows, the same tokens
+    together = graphs.generate(prompts, params)
+    assert [o.token_ids for o in together] == [o.token_ids for o in eager.generate(prompts, params)]
+    assert any(len(k) == 4 and k[0] == 4 for k in graphs.target.prompts._runners)
 
 
 def test_warm_up_records_every_batch_bucket():
@@ -59,7 +63,9 @@ def test_warm_up_records_every_batch_bucket():
 
     assert recorded["target"] == {(b, t, c, split) for b in (1, 2, 4) for t in token_buckets(b, 6) for c in (256, 512)
                                   for split in ((False, True) if b > 1 else (False,))}
-    assert recorded["prompts"] == {32, 48, 64, 96, 128, 192, 256, 384, 512}
+    lengths = (32, 48, 64, 96, 128, 192, 256, 384, 512)
+    assert recorded["prompts"] == {(n, 0) for n in lengths} | {(n, c) for n in lengths if n <= 128 for c in (256, 512)
+                                                               if n < c}
     assert recorded["draft"] == {(b, c, q) for b in (1, 2, 4) for c in graphs.draft.graphs.buckets.context
                                  for q in (False, True)}
     assert graphs.warm_up() == 0 and graphs.num_cuda_graphs == sum(map(len, recorded.values()))
@@ -70,6 +76,7 @@ def test_warm_up_records_every_batch_bucket():
         [o.token_ids for o in eager.generate(prompts, params)]
     for p in prompts[:2]:
         assert graphs.generate([p], params)[0].token_ids == eager.generate([p], params)[0].token_ids
+    recorded["prompts"].add((4, 192, 256, 1))  # the four prompts at once: one packed graph, recorded on first use
     assert {k: set(v) for k, v in (("target", graphs.target.graphs._runners),
                                    ("prompts", graphs.target.prompts._runners),
-                                   ("draft", graphs.draft.graphs._runners))} == recorded  # nothing new to record
+                                   ("draft", graphs.draft.graphs._runners))} == recorded  # nothing else to record
