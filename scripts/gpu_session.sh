@@ -342,13 +342,13 @@ service)
     RAY_AUTH_MODE=token timeout 570 python3 bench/bench_service.py --target $T --layouts engine default \
         --levels 1 8 16 32 64 128 --request-rates 8 128 512 --json "$OUT/service.json" 2>&1 | tee "$OUT/service.log" \
         | grep -v Warn | tail -24 ;;
-packed)  # PACKED_RUNS: the settings in turn (default: true false)
+packed)  # PACKED_RUNS: the settings in turn (default: true false); PACKED_LEVELS (default: 32 64)
     timeout 150 python3 -P -m pytest -q -x tests/gpu/test_cuda_graphs_gpu.py -k "prompt or warm" 2>&1 | tail -3
     i=0
     for p in ${PACKED_RUNS:-true false}; do
         i=$((i + 1)); d="$OUT/packed_${i}_$p"; mkdir -p "$d"
         RAY_AUTH_MODE=token timeout 220 python3 bench/bench_service.py --target $T --layouts engine default \
-            --levels 32 64 --kernel-config "{\"prompt_graph_packed\": $p}" --step-trace "$d" --json "$d.json" 2>&1 \
+            --levels ${PACKED_LEVELS:-32 64} --kernel-config "{\"prompt_graph_packed\": $p}" --step-trace "$d" --json "$d.json" 2>&1 \
             | grep -v Warn > "$d.log"
         echo "prompt_graph_packed=$p"; tail -5 "$d.log"
     done ;;
