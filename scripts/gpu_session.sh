@@ -348,8 +348,8 @@ packed)  # PACKED_RUNS: the settings in turn (default: true false); PACKED_LEVEL
     for p in ${PACKED_RUNS:-true false}; do
         i=$((i + 1)); d="$OUT/packed_${i}_$p"; mkdir -p "$d"
         RAY_AUTH_MODE=token timeout 220 python3 bench/bench_service.py --target $T --layouts engine default \
-            --levels ${PACKED_LEVELS:-32 64} --kernel-config "{\"prompt_graph_packed\": $p}" --step-trace "$d" --json "$d.json" 2>&1 \
-            | grep -v Warn > "$d.log"
+            --levels ${PACKED_LEVELS:-32 64} --kernel-config "{\"prompt_graph_packed\": $p}" --step-trace "$d" \
+            --json "$d.json" 2>&1 | grep -v Warn > "$d.log"
         echo "prompt_graph_packed=$p"; tail -5 "$d.log"
     done ;;
 loop)
