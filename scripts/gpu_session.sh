@@ -24,8 +24,8 @@
 #             the cores busy, each served step's line (steps_*.jsonl); the served path again with 2000 chunk messages
 #             a second (the paced layout)
 #   packed    a step's prompts as one packed graph against a graph each (up to 4, more eagerly as one batch): the
-#             prompt-graph GPU tests, then the engine and the served pair at c = 32 and 64 with prompt_graph_packed
-#             on and off, alternated, each served step's line (packed_*/steps_*.jsonl)
+#             engine and the served pair at c = 32 and 64 with prompt_graph_packed on and off, alternated, each
+#             served step's line (packed_*/steps_*.jsonl), then the prompt-graph GPU tests
 #   chat      multi-turn conversations sharing a 1,500-token system prompt: the prefix cache on against off
 #   replicas  the same against two Serve replicas on the one GPU: the prefix router against power of two
 #   structured  JSON-schema outputs: validity at T = 0 / 0.8 and batch-1 speed with and without a schema (xgrammar)
@@ -343,7 +343,6 @@ service)
         --levels 1 8 16 32 64 128 --request-rates 8 128 512 --json "$OUT/service.json" 2>&1 | tee "$OUT/service.log" \
         | grep -v Warn | tail -24 ;;
 packed)  # PACKED_RUNS: the settings in turn (default: true false); PACKED_LEVELS (default: 32 64)
-    timeout 150 python3 -P -m pytest -q -x tests/gpu/test_cuda_graphs_gpu.py -k "prompt or warm" 2>&1 | tail -3
     i=0
     for p in ${PACKED_RUNS:-true false}; do
         i=$((i + 1)); d="$OUT/packed_${i}_$p"; mkdir -p "$d"
@@ -351,7 +350,8 @@ packed)  # PACKED_RUNS: the settings in turn (default: true false); PACKED_LEVEL
             --levels ${PACKED_LEVELS:-32 64} --kernel-config "{\"prompt_graph_packed\": $p}" --step-trace "$d" \
             --json "$d.json" 2>&1 | grep -v Warn > "$d.log"
         echo "prompt_graph_packed=$p"; tail -5 "$d.log"
-    done ;;
+    done
+    timeout 150 python3 -P -m pytest -q -x tests/gpu/test_cuda_graphs_gpu.py -k "prompt or warm" 2>&1 | tail -3 ;;
 loop)
     timeout 90 python3 bench/bench_gateway.py --target $T --levels 64 --rounds 2 --json "$OUT/gateway.json" 2>&1 \
         | tee "$OUT/gateway.log" | grep "^c="
