@@ -68,7 +68,7 @@ class TargetSide:
             c = self.model.config
             warm_attention(self.cache[0, 0], self.cache[0, 1], c.num_heads, self.cache.dtype)
         graphs = self.graphs.warm_up(max_batch) if self.graphs is not None else 0
-        return graphs + (self.prompts.warm_up() if self.prompts is not None else 0)
+        return graphs + (self.prompts.warm_up(max_batch) if self.prompts is not None else 0)
 
     @property
     def vocab_size(self) -> int:

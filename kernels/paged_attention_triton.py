@@ -14,6 +14,7 @@ log-sum-exps go to fp32 scratch and a second small kernel combines them. No host
 tensor shapes and meta's Python ints: CUDA-graph capturable.
 """
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -57,9 +58,13 @@ def default_attention_config(num_reqs: int, num_kv_heads: int, group: int, head_
 # Runtime ints that vary with the batch. Triton would otherwise specialise each on being 1 or a multiple of 16 and
 # compile a new kernel (hundreds of ms, every stream stalled) the first time a batch's value changes class.
 _VARYING = ["stride_bt", "W", "stride_ls", "max_seq_len", "m_tiles"]
+# Per-request scalars a graph may read from anywhere in its staging buffer: their alignment is not specialised on
+# either (where this Triton can say so), so a graph whose fields sit differently compiles nothing new.
+_ANY_ALIGNMENT = {"do_not_specialize_on_alignment": ["cu_ptr", "seq_ptr", "bt_ptr"]} \
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters else {}
 
 
-@triton.jit(do_not_specialize=_VARYING)
+@triton.jit(do_not_specialize=_VARYING, **_ANY_ALIGNMENT)
 def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, seq_ptr, bt_ptr, out_ptr, lse_ptr,
                             stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_bt, W,
                             stride_os, stride_ot, stride_oh, stride_ls, stride_lt, max_seq_len, qk_scale, m_tiles,

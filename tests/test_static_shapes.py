@@ -117,7 +117,7 @@ def test_prompt_graphs_match_dynamic_prefill(lens, packed):
     built, graphs = set(sides[1].prompts._runners), sides[1].prompts
     assert graphs.max_prompts == 4
     if packed:  # one graph: rows, tokens and context buckets
-        assert built == {({3: 4, 5: 8, 9: 16}[len(lens)], {80: 96, 63: 64, 115: 128}[sum(lens)], 256, 1)}
+        assert built == {({3: 4, 5: 16, 9: 16}[len(lens)], {80: 96, 63: 64, 115: 128}[sum(lens)], 256, 1)}
     else:
         want = {(32 if n <= 32 else 48, 0) for n in lens} if len(lens) <= graphs.max_prompts else set()
         assert built == want  # five or nine prompts run eagerly as one batch
@@ -374,3 +374,33 @@ def test_context_write_warm_up_runs_every_row_count_and_writes_nowhere():
     side.warm_context_writes()
     assert max(side.CONTEXT_WRITE_ROWS) > 128 and {1, 16, 17, 64}.issubset(side.CONTEXT_WRITE_ROWS)
     assert torch.equal(side.cache, before)
+
+
+def test_packed_prompt_graphs_are_recorded_at_start_with_aligned_inputs(monkeypatch):
+    """warm_up records the packed graphs of up to max_batch rows (PACKED_ROWS), every length bucket and context up
+    to WARM_CONTEXT, each run on padding only; the fields the attention kernel reads start 16-byte aligned, as its
+    warm-up's tensors do, so a packed step compiles nothing while serving."""
+    from dspark_serve.engine.runner import capture as cuda_graphs
+    from dspark_serve.engine.runner.prompt_graphs import PACKED_ROWS, packed_layout
+
+    target, draft = tiny_pair(seed=3, agree=0.01, block_size=4, dtype=torch.float32)
+    side = TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids)
+    pools: list = []
+    monkeypatch.setattr(cuda_graphs, "capture", _padding_only_capture([side.cache], 64, pools))
+    side.use_static_shapes(3, max_model_len=128, capture=True)
+    graphs = side.prompts
+    assert graphs.warm_up(max_batch=20) == len(graphs._runners) == len(pools)
+    packed = {k for k in graphs._runners if len(k) == 4}
+    assert packed == {(b, t, 256, 1) for b in (4, 16, 64) for t in (32, 48, 64, 96, 128)}
+    for b in PACKED_ROWS:
+        for t in graphs.lengths:
+            layout = packed_layout(b, t, 256 // 8)
+            assert all(layout.offsets[f] % 2 == 0 for f in ("ids", "positions", "slots", "block_table", "seq_lens",
+                                                               "cu"))  # int64: 16 bytes
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (5, 40, 12)]
+    eager = TargetSide(target, 64, 8, capture_layers=draft.config.target_layer_ids)
+    want = eager.run(_requests(eager, prompts), prompts, last_only=True)
+    got = side.run(_requests(side, prompts), prompts, last_only=True)
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    assert set(graphs._runners) >= packed and len(graphs._runners) == len(pools)  # 57 tokens: (4, 64, 256) recorded

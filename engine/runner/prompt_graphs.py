@@ -6,8 +6,10 @@ The new tokens are padded at their end to a length bucket; under causal attentio
 whose K/V go to the trash slot. A prompt with a cached start also has a context bucket (its keys: cached and new),
 and its start is an input of the graph. The graph returns the last real token's logits and every new token's
 features. Two or more prompts run as one packed graph (KernelConfig.prompt_graph_packed): their new tokens one
-after another (varlen rows, each over its own keys), padded at the end to a token bucket, the rows to a batch bucket,
-so a step's prompts cost one forward of their tokens. Without it, up to KernelConfig.prompt_graph_max_prompts
+after another (varlen rows, each over its own keys), padded at the end to a token bucket, the rows to one of
+PACKED_ROWS, so a step's prompts cost one forward of their tokens; the graph returns the rows' last hidden states,
+whose logits are computed after it (graphs keep no [rows, vocab] buffer). warm_up records them up to
+PACKED_WARM_TOKENS tokens in contexts up to WARM_CONTEXT. Without it, up to KernelConfig.prompt_graph_max_prompts
 replay one graph each, one after another, and more run eagerly as one batch. On CPU the same static path runs
 eagerly: that is what the CPU tests compare with the dynamic path.
 
@@ -38,6 +40,8 @@ from .target_runner import TargetRunner
 
 PROMPT_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # padding wastes < 1.5x
 WARM_QUERY = 128  # new tokens after a cached start whose graphs warm_up records
+PACKED_ROWS = (4, 16, 64, 256)  # rows of a packed graph: padding rows cost a program each that exits at once
+PACKED_WARM_TOKENS = 1024  # packed graphs warm_up records: up to this many tokens
 
 
 @lru_cache(maxsize=None)
@@ -48,8 +52,9 @@ def prompt_layout(length: int, w: int) -> Layout:
 
 @lru_cache(maxsize=None)
 def packed_layout(b: int, t: int, w: int) -> Layout:
-    """Up to b prompts' new tokens one after another, padded to t in all, over block tables of width w."""
-    return Layout(ids=t, positions=t, slots=t, cu=b + 1, seq_lens=b, last=b, block_table=b * w)
+    """Up to b prompts' new tokens one after another, padded to t in all, over block tables of width w; with t, b
+    and w even, every field the kernels read starts 16-byte aligned, as the tensors of their warm-up do."""
+    return Layout(ids=t, positions=t, slots=t, block_table=b * w, seq_lens=b, cu=b + 1, last=b)
 
 
 @lru_cache(maxsize=None)
@@ -81,10 +86,9 @@ class PromptGraphs:
         contexts = GraphBuckets().context
         top_context = bucket(max_model_len, contexts) or contexts[-1]
         self.contexts = tuple(c for c in contexts if c <= top_context)  # keys a prompt with a cached start sees
-        self.batches = GraphBuckets().batch
         self.staging = Staging(max(prompt_layout(top, self._width(top)).size,
                                    context_layout(top, self._width(top_context)).size,
-                                   packed_layout(self.batches[-1], top, self._width(top_context)).size),
+                                   packed_layout(PACKED_ROWS[-1], top, self._width(top_context)).size),
                                torch.int64, self.device)
         self.layer_weights = layer_weights(runner.model.config)
         # (length bucket, context bucket or 0 for a fresh prompt) -> its graph; packed: (rows, tokens, context, 1)
@@ -104,7 +108,7 @@ class PromptGraphs:
 
     def _packed_shape(self, starts: list[int], lens: list[int]) -> tuple[int, int, int] | None:
         """(rows bucket, tokens bucket, context bucket) of prompts run as one packed graph, or None."""
-        b, t = bucket(len(lens), self.batches), bucket(sum(lens), self.lengths)
+        b, t = bucket(len(lens), PACKED_ROWS), bucket(sum(lens), self.lengths)
         c = bucket(max(s + n for s, n in zip(starts, lens)), self.contexts)
         return None if b is None or t is None or c is None else (b, t, c)
 
@@ -127,16 +131,22 @@ class PromptGraphs:
         return len(self._runners) if self.capture else 0
 
     @torch.inference_mode()
-    def warm_up(self) -> int:
+    def warm_up(self, max_batch: int = 1) -> int:
         """Record now, on padding, the graph of every bucket one fresh prompt takes, and those of up to WARM_QUERY
-        new tokens after a cached start in contexts up to WARM_CONTEXT (a chat turn after its cached history);
-        -> how many (0 when not capturing). Other shapes record theirs on first use."""
+        new tokens after a cached start in contexts up to WARM_CONTEXT (a chat turn after its cached history); with
+        max_batch > 1 and packing, the packed graphs of up to that many rows, PACKED_WARM_TOKENS tokens and contexts
+        up to WARM_CONTEXT; -> how many (0 when not capturing). Other shapes record theirs on first use."""
         shapes = [(n, 0) for n in self.lengths if self.takes([0], [n])] + \
             [(n, c) for n in self.lengths if n <= WARM_QUERY and self.takes([0], [n])
              for c in self.contexts if n < c <= WARM_CONTEXT]
-        shapes = [k for k in shapes if self.capture and k not in self._runners]
+        rows = [b for b in PACKED_ROWS if b <= (bucket(max_batch, PACKED_ROWS) or PACKED_ROWS[-1])] \
+            if self.packed and max_batch > 1 else []
+        packed = [(b, t, c, 1) for b in rows for t in self.lengths
+                  if t <= PACKED_WARM_TOKENS and t * self.layer_weights <= self.max_work
+                  for c in self.contexts if c <= WARM_CONTEXT]
+        shapes = [k for k in shapes + packed if self.capture and k not in self._runners]
         for k in shapes:
-            self._runners[k] = self._build(*k)
+            self._runners[k] = self._build_packed(*k[:3]) if len(k) == 4 else self._build(*k)
         return len(shapes)
 
     @torch.inference_mode()
@@ -191,8 +201,9 @@ class PromptGraphs:
         key = (b, t, c, 1)
         if key not in self._runners:
             self._runners[key] = self._build_packed(b, t, c)
-        rows, f = self._runners[key]()
-        return rows[:r, None].clone(), [f[a:a + n].clone() if f is not None else None for a, n in zip(cu, lens)]
+        last_hidden, f = self._runners[key]()
+        logits = self.runner.compute_logits(last_hidden[:r])[:, None]  # [R, 1, V] fp32, its own memory
+        return logits, [f[a:a + n].clone() if f is not None else None for a, n in zip(cu, lens)]
 
     def _build_packed(self, b: int, t: int, c: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
         w = self._width(c)
@@ -205,7 +216,7 @@ class PromptGraphs:
                                      causal=True, all_slots_valid=True)
             hidden, feats = self.runner.forward(v["ids"], v["positions"], meta, self.cache,
                                                 capture_layers=self.capture_layers)
-            return self.runner.compute_logits(hidden.index_select(0, v["last"])), feats  # [b, V], [t, F]
+            return hidden.index_select(0, v["last"]), feats  # [b, H], [t, F]
         if not self.capture:
             return forward
         pad = dict(ids=[0] * t, positions=[0] * t, slots=[self.trash] * t, cu=[0] * (b + 1), seq_lens=[0] * b,

@@ -45,7 +45,7 @@ def test_prompt_graphs_equal_eager_prefill(dtype):
     for p in prompts:  # one at a time: each prefill replays its length bucket's graph, recorded on first use
         assert graphs.generate([p], params)[0].token_ids == eager.generate([p], params)[0].token_ids
     assert graphs.target.prompts.capture and set(graphs.target.prompts._runners) == {(32, 0), (48, 0), (384, 0)}
-    # together (the rest of each after its cached blocks): one packed graph of 4 rows, the same tokens
+    # together (the rest of each after its cached blocks): one packed graph of 4 rows, recorded on first use here
     together = graphs.generate(prompts, params)
     assert [o.token_ids for o in together] == [o.token_ids for o in eager.generate(prompts, params)]
     assert any(len(k) == 4 and k[0] == 4 for k in graphs.target.prompts._runners)
@@ -65,7 +65,8 @@ def test_warm_up_records_every_batch_bucket():
                                   for split in ((False, True) if b > 1 else (False,))}
     lengths = (32, 48, 64, 96, 128, 192, 256, 384, 512)
     assert recorded["prompts"] == {(n, 0) for n in lengths} | {(n, c) for n in lengths if n <= 128 for c in (256, 512)
-                                                               if n < c}
+                                                               if n < c} | {(4, n, c, 1) for n in lengths
+                                                                            for c in (256, 512)}  # packed
     assert recorded["draft"] == {(b, c, q) for b in (1, 2, 4) for c in graphs.draft.graphs.buckets.context
                                  for q in (False, True)}
     assert graphs.warm_up() == 0 and graphs.num_cuda_graphs == sum(map(len, recorded.values()))
@@ -76,7 +77,6 @@ def test_warm_up_records_every_batch_bucket():
         [o.token_ids for o in eager.generate(prompts, params)]
     for p in prompts[:2]:
         assert graphs.generate([p], params)[0].token_ids == eager.generate([p], params)[0].token_ids
-    recorded["prompts"].add((4, 192, 256, 1))  # the four prompts at once: one packed graph, recorded on first use
     assert {k: set(v) for k, v in (("target", graphs.target.graphs._runners),
                                    ("prompts", graphs.target.prompts._runners),
-                                   ("draft", graphs.draft.graphs._runners))} == recorded  # nothing else to record
+                                   ("draft", graphs.draft.graphs._runners))} == recorded  # nothing new to record
