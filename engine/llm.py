@@ -27,7 +27,7 @@ from .detokenize import TextStream, TokenText, text_stream
 from .draft_side import DraftSide
 from .engine_config import DEFAULT_NUM_KV_BLOCKS, EngineConfig
 from .grammar import Grammars
-from .kv_sizing import block_bytes, graph_reserve_bytes, kv_blocks_for_memory
+from .kv_sizing import block_bytes, graph_reserve_bytes, kv_blocks_for_memory, packed_reserve_bytes
 from .request import Request, RequestOutput, StepOutput
 from .sampling_params import SamplingParams
 from .core.cost_probe import probe_costs
@@ -125,7 +125,8 @@ class LLM:
         drafts = draft_model.config.num_speculative_tokens if draft_model is not None else \
             (draft_side.num_speculative_tokens if draft_side is not None else 0)
         num_kv_blocks = self._kv_blocks(cfg.num_kv_blocks, cfg.gpu_memory_utilization, target_model, draft_model,
-                                        block_size, max_num_seqs, drafts)
+                                        block_size, max_num_seqs, drafts,
+                                        kernels.prompt_graphs and kernels.prompt_graph_packed)
         self.target = TargetSide(target_model, num_kv_blocks, block_size, capture_layers=capture, kernels=kernels,
                                  deterministic=cfg.deterministic)
         draft_side = DraftSide(draft_model, num_kv_blocks, block_size, spec, target_model.config.vocab_size, kernels) \
@@ -187,7 +188,7 @@ class LLM:
 
     @staticmethod
     def _kv_blocks(num_kv_blocks: int | None, utilization: float | None, target: QwenForCausalLM,
-                   draft: DSparkDraft | None, block_size: int, max_num_seqs: int, drafts: int) -> int:
+                   draft: DSparkDraft | None, block_size: int, max_num_seqs: int, drafts: int, packed: bool) -> int:
         if utilization is None or target.lm_head.weight.device.type != "cuda":
             return DEFAULT_NUM_KV_BLOCKS if num_kv_blocks is None else num_kv_blocks
         c, size = target.config, target.lm_head.weight.element_size()
@@ -197,7 +198,8 @@ class LLM:
             per_block += block_bytes(d.num_layers, d.num_kv_heads, d.head_dim, block_size, size)
         free, total = torch.cuda.mem_get_info(target.lm_head.weight.device)
         features = draft.config.context_dim if draft is not None else 0
-        reserve = graph_reserve_bytes(c.vocab_size, drafts, max_num_seqs, c.hidden_size, features)
+        reserve = graph_reserve_bytes(c.vocab_size, drafts, max_num_seqs, c.hidden_size, features) + \
+            (packed_reserve_bytes(max_num_seqs, c.hidden_size, features) if packed else 0)
         return kv_blocks_for_memory(total, total - free, utilization, per_block, reserve)
 
     def warm_up(self, max_batch: int | None = None) -> int:

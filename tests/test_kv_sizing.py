@@ -4,7 +4,7 @@ import pytest
 
 from dspark_serve.engine.runner.buckets import GraphBuckets
 from dspark_serve.engine.kv_sizing import (TILED_SHARE, WORKSPACE_BYTES, block_bytes, graph_reserve_bytes,
-                                           kv_blocks_for_memory)
+                                           kv_blocks_for_memory, packed_reserve_bytes)
 
 GiB = 1 << 30
 
@@ -21,6 +21,15 @@ def test_graph_reserve_is_the_largest_steps_logits_and_what_each_graph_keeps():
     graphs = {1: 4, 2: 4, 4: 4}  # token sizes 1, 2, 4, 8 per row
     kept = sum(n * b * per_row for b, n in graphs.items()) + graphs[1] * per_row  # 8192: batch 1 only
     assert graph_reserve_bytes(1000, 7, 3, 64, 96, buckets) == logits + kept
+
+
+def test_packed_prompt_graphs_reserve_what_each_keeps():
+    buckets = GraphBuckets(context=(256, 512, 8192))  # 8192 is past WARM_CONTEXT: not recorded at start
+    tokens = 32 + 48 + 64 + 96 + 128 + 192 + 256 + 384 + 512 + 768 + 1024  # length buckets up to 1024
+    per_rows = {b: 2 * (11 * b * 64 + tokens * 96) for b in (4, 16, 64)}  # bf16 last hidden and features
+    assert packed_reserve_bytes(20, 64, 96, buckets) == 2 * (per_rows[4] + per_rows[16] + per_rows[64])
+    assert packed_reserve_bytes(4, 64, 96, buckets) == 2 * per_rows[4]
+    assert packed_reserve_bytes(1, 64, 96, buckets) == 0  # one request a step: nothing to pack
 
 
 def test_blocks_fill_the_share_left_after_weights_and_reserve():

@@ -11,6 +11,9 @@ class GraphBuckets:
     context: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # key slots attended per row
 
 
+PROMPT_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # prompt tokens; padding < 1.5x
+PACKED_ROWS = (4, 16, 64, 256)  # rows of a packed prompt graph: padding rows cost a program each that exits at once
+PACKED_WARM_TOKENS = 1024  # packed prompt graphs recorded at start: up to this many tokens
 WARM_CONTEXT = 4096  # at start every batch bucket is recorded up to this context; longer contexts: batch 1 only
 # (the rest on first use), so a 32k-context model does not hold 8 contexts x 9 batches of logits
 

@@ -33,15 +33,12 @@ from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.models.config import ModelConfig
 
 from ..kv_cache import slots_of
-from .buckets import WARM_CONTEXT, GraphBuckets, bucket
+from .buckets import PACKED_ROWS, PACKED_WARM_TOKENS, PROMPT_BUCKETS, WARM_CONTEXT, GraphBuckets, bucket
 from .capture import capture_on_padding
 from .staging import Layout, Staging
 from .target_runner import TargetRunner
 
-PROMPT_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)  # padding wastes < 1.5x
 WARM_QUERY = 128  # new tokens after a cached start whose graphs warm_up records
-PACKED_ROWS = (4, 16, 64, 256)  # rows of a packed graph: padding rows cost a program each that exits at once
-PACKED_WARM_TOKENS = 1024  # packed graphs warm_up records: up to this many tokens
 
 
 @lru_cache(maxsize=None)
