@@ -3,10 +3,12 @@ process of its own) answers every Add with --tokens-per-step tokens each --step-
 speed, and c clients in several processes stream through the real gRPC gateway. Per level: tokens/s delivered
 against the stand-in's own, TTFT and TPOT p50 at the clients against the stand-in's, how late each final reaches its
 client after the stand-in finished it, the gateway process's CPU time per 1,000 tokens, and when the first wave's
-calls left the clients and started at the server. --bare measures a bare grpc.aio server in the gateway's place.
+calls left the clients and started at the server. --bare measures a bare grpc.aio server in the gateway's place;
+--bare-servers N runs N of them on one port (SO_REUSEPORT) and one event loop, so N calls can be taken in at once.
 
 usage: python bench/bench_gateway.py [--levels 32 64] [--step-ms 3.6] [--tokens-per-step 3] [--max-tokens 128]
-                                     [--requests 64] [--rounds 2] [--client-procs 8] [--bare] [--json OUT]
+                                     [--requests 64] [--rounds 2] [--client-procs 8] [--bare [--bare-servers N]]
+                                     [--json OUT]
 """
 
 from __future__ import annotations
@@ -107,9 +109,10 @@ def _record_call_starts() -> None:
     GatewayCore.generate = timed
 
 
-def start_bare(step_ms: float, tokens_per_step: int) -> str:
-    """A bare grpc.aio server of dspark.v1.Generation in a thread: each call streams tokens_per_step tokens every
-    step_ms up to its max_tokens, then a Complete; nothing else (what grpc.aio itself costs); -> its address."""
+def start_bare(step_ms: float, tokens_per_step: int, servers: int = 1) -> str:
+    """A bare grpc.aio server of dspark.v1.Generation in a thread (`servers` of them on one port and event loop): each
+    call streams tokens_per_step tokens every step_ms up to its max_tokens, then a Complete; nothing else (what
+    grpc.aio itself costs); -> its address."""
     import grpc
 
     from dspark_serve.cluster.grpc_methods import SERVICE_NAME
@@ -128,12 +131,17 @@ def start_bare(step_ms: float, tokens_per_step: int) -> str:
     loop, ready = asyncio.new_event_loop(), mp.get_context("spawn").Queue()
 
     async def run() -> None:
-        server = grpc.aio.server()
         handler = grpc.unary_stream_rpc_method_handler(generate, pb.GenerateRequest.FromString,
                                                       pb.GenerateResponse.SerializeToString)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"Generate": handler}),))
-        ready.put(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
+        port, kept = 0, []
+        for _ in range(servers):  # each its own accept loop; the kernel spreads the connections over them
+            server = grpc.aio.server(options=[("grpc.so_reuseport", 1)])
+            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
+                                                                                  {"Generate": handler}),))
+            port = server.add_insecure_port(f"127.0.0.1:{port}")
+            await server.start()
+            kept.append(server)
+        ready.put(port)
         await asyncio.Event().wait()
 
     threading.Thread(target=lambda: loop.run_until_complete(run()), daemon=True).start()
@@ -201,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stream-messages-per-s", type=float, default=6000.0)
     ap.add_argument("--bare", action="store_true", help="a bare grpc.aio server streaming the same shape of answers "
                     "in place of the gateway and the stand-in (what grpc.aio itself costs)")
+    ap.add_argument("--bare-servers", type=int, default=1, help="with --bare: this many servers on the one port")
     ap.add_argument("--profile", type=int, default=0, help="print the gateway thread's top N functions (cProfile)")
     ap.add_argument("--profile-sort", default="tottime")
     ap.add_argument("--json")
@@ -212,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     ctx = mp.get_context("spawn")
     q, loop_proc = ctx.Queue(), None
     if args.bare:
-        address, loop = start_bare(args.step_ms, args.tokens_per_step), None
+        address, loop = start_bare(args.step_ms, args.tokens_per_step, args.bare_servers), None
     else:
         loop_proc = ctx.Process(target=stand_in, args=(q, args.step_ms, args.tokens_per_step), daemon=True)
         loop_proc.start()
@@ -242,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"wave sent {r['client_sent_ms']}, started {r['server_started_ms']} ms  "
                   f"errors {r['errors']}", flush=True)
     result = {"step_ms": args.step_ms, "tokens_per_step": args.tokens_per_step, "max_tokens": args.max_tokens,
-              "requests": args.requests, "stream_messages_per_s": args.stream_messages_per_s, "rows": rows}
+              "requests": args.requests, "stream_messages_per_s": args.stream_messages_per_s,
+              "bare_servers": args.bare_servers if args.bare else 0, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if prof is not None and loop is not None:
