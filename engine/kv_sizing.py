@@ -3,7 +3,7 @@ CUDA graphs and the step's working memory. Pure arithmetic; the engine reads the
 
 from __future__ import annotations
 
-from .runner.buckets import PACKED_ROWS, PACKED_WARM_TOKENS, PROMPT_BUCKETS, WARM_CONTEXT, GraphBuckets, token_buckets
+from .runner.buckets import PACKED_WARM_TOKENS, PROMPT_BUCKETS, WARM_CONTEXT, GraphBuckets, packed_rows, token_buckets
 
 WORKSPACE_BYTES = 1 << 30  # activations, prefill temporaries, the allocator's slack
 TILED_SHARE = 0.02  # tile-major copies the runner may add (they are kept when within 2 % of the GPU)
@@ -33,11 +33,9 @@ def packed_reserve_bytes(max_batch: int, hidden_size: int, feature_size: int,
                          buckets: GraphBuckets = GraphBuckets()) -> int:
     """What the packed prompt graphs recorded at start keep (runner/prompt_graphs.py): each its rows' last hidden
     states and its tokens' features, bf16."""
-    top = next((b for b in PACKED_ROWS if b >= max_batch), PACKED_ROWS[-1])
-    rows = [b for b in PACKED_ROWS if b <= top] if max_batch > 1 else []
     contexts = sum(1 for c in buckets.context if c <= WARM_CONTEXT)
-    return contexts * sum(2 * (b * hidden_size + t * feature_size) for b in rows for t in PROMPT_BUCKETS
-                          if t <= PACKED_WARM_TOKENS)
+    return contexts * sum(2 * (b * hidden_size + t * feature_size) for b in packed_rows(max_batch)
+                          for t in PROMPT_BUCKETS if t <= PACKED_WARM_TOKENS)
 
 
 def kv_blocks_for_memory(total_bytes: int, used_bytes: int, utilization: float, per_block_bytes: int,

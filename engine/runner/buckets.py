@@ -18,6 +18,13 @@ WARM_CONTEXT = 4096  # at start every batch bucket is recorded up to this contex
 # (the rest on first use), so a 32k-context model does not hold 8 contexts x 9 batches of logits
 
 
+def packed_rows(max_batch: int) -> list[int]:
+    """The row buckets of the packed prompt graphs recorded at start for steps of up to max_batch requests (none
+    for one request a step: nothing to pack)."""
+    top = bucket(max_batch, PACKED_ROWS) or PACKED_ROWS[-1]
+    return [b for b in PACKED_ROWS if b <= top] if max_batch > 1 else []
+
+
 def bucket(n: int, sizes: tuple[int, ...]) -> int | None:
     """The smallest size >= n, or None."""
     return next((s for s in sizes if s >= n), None)

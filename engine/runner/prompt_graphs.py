@@ -33,7 +33,8 @@ from dspark_serve.kernels.config import KernelConfig
 from dspark_serve.models.config import ModelConfig
 
 from ..kv_cache import slots_of
-from .buckets import PACKED_ROWS, PACKED_WARM_TOKENS, PROMPT_BUCKETS, WARM_CONTEXT, GraphBuckets, bucket
+from .buckets import (PACKED_ROWS, PACKED_WARM_TOKENS, PROMPT_BUCKETS, WARM_CONTEXT, GraphBuckets, bucket,
+                      packed_rows)
 from .capture import capture_on_padding
 from .staging import Layout, Staging
 from .target_runner import TargetRunner
@@ -136,9 +137,7 @@ class PromptGraphs:
         shapes = [(n, 0) for n in self.lengths if self.takes([0], [n])] + \
             [(n, c) for n in self.lengths if n <= WARM_QUERY and self.takes([0], [n])
              for c in self.contexts if n < c <= WARM_CONTEXT]
-        rows = [b for b in PACKED_ROWS if b <= (bucket(max_batch, PACKED_ROWS) or PACKED_ROWS[-1])] \
-            if self.packed and max_batch > 1 else []
-        packed = [(b, t, c, 1) for b in rows for t in self.lengths
+        packed = [(b, t, c, 1) for b in (packed_rows(max_batch) if self.packed else []) for t in self.lengths
                   if t <= PACKED_WARM_TOKENS and t * self.layer_weights <= self.max_work
                   for c in self.contexts if c <= WARM_CONTEXT]
         shapes = [k for k in shapes + packed if self.capture and k not in self._runners]
@@ -218,9 +217,13 @@ class PromptGraphs:
             return forward
         pad = dict(ids=[0] * t, positions=[0] * t, slots=[self.trash] * t, cu=[0] * (b + 1), seq_lens=[0] * b,
                    last=[0] * b, block_table=[0] * (b * w))
+        return self._record(forward, layout, pad, f" for {b} prompts of {t} tokens in a context of {c}")
+
+    def _record(self, forward: Callable, layout: Layout, pad: dict, label: str) -> Callable:
+        """forward as a CUDA graph recorded on `pad` (the layout's padding, bound for the trash slot)."""
         replay, self._pool, self.capture = capture_on_padding(
             forward, self._pool, [self.staging.dev[:layout.size]], lambda: self.staging.upload(layout.pack(**pad)),
-            f" for {b} prompts of {t} tokens in a context of {c}")
+            label)
         return replay
 
     def _build(self, length: int, context: int) -> Callable[[], tuple[Tensor, Tensor | None]]:
@@ -251,8 +254,5 @@ class PromptGraphs:
         if not self.capture:
             return forward
         pad = dict(ids=[0] * length, slots=[self.trash] * length, last=[0], block_table=[0] * w)
-        replay, self._pool, self.capture = capture_on_padding(
-            forward, self._pool, [self.staging.dev[:layout.size]],
-            lambda: self.staging.upload(layout.pack(**(dict(start=[0], **pad) if context else pad))),
-            f" for a prompt of {length} tokens" + (f" in a context of {context}" if context else ""))
-        return replay
+        return self._record(forward, layout, dict(start=[0], **pad) if context else pad,
+                            f" for a prompt of {length} tokens" + (f" in a context of {context}" if context else ""))
